@@ -1,0 +1,278 @@
+"""Gradio Space for lora_manager: one pipeline, many LoRAs, one adapter per request, hotswapped without recompiling.
+
+    python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
+                  [--host 127.0.0.1] [--port 7860] [--share]
+
+Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), GRADIO_SERVER_NAME, GRADIO_SERVER_PORT.
+The UI and the API share one function per action: `/generate` (prompt, adapter_id, strength, seed, steps) -> (image,
+info) and `/add_adapter` (repo_id, weight_name) -> status. All logic lives in lora_manager; this file only wires it.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.time()  # replaced by the real process start time below when psutil is there
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import gradio as gr  # noqa: E402
+from PIL import Image, ImageDraw  # noqa: E402
+
+from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
+
+try:
+    import psutil
+
+    _T0 = psutil.Process().create_time()
+except Exception:  # noqa: BLE001 - psutil is optional
+    pass
+
+try:  # ZeroGPU: a GPU is attached only inside functions decorated with spaces.GPU
+    import spaces
+
+    gpu = spaces.GPU
+    ZERO_GPU = bool(os.environ.get("SPACES_ZERO_GPU"))
+except ImportError:
+    ZERO_GPU = False
+
+    def gpu(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
+
+
+SEED_MAX = 2**32 - 1
+CSS = """
+#gallery .thumbnail-item img, #output-image img { image-rendering: pixelated; }
+#output-image img { width: 100%; height: 100%; object-fit: contain; }
+#gallery .grid-wrap.fixed-height { min-height: 0; }
+#info-panel { min-height: 7em; }
+"""
+
+
+# ---- presentation helpers (no engine logic) -------------------------------------------------------------------------
+
+
+def _mb(nbytes: int | None) -> str:
+    return f"{(nbytes or 0) / 2**20:.1f} MB"
+
+
+def _placeholder(text: str) -> Image.Image:
+    """A neutral tile for adapters that have no preview image (e.g. added from the Hub)."""
+    img = Image.new("RGB", (128, 128), (226, 232, 240))
+    ImageDraw.Draw(img).text((64, 64), text[:14], fill=(51, 65, 85), anchor="mm")
+    return img
+
+
+def _details(a: AdapterInfo | None) -> str:
+    if a is None:
+        return "**No adapter**: the base model alone."
+    s = a.spec
+    lines = [f"**{s.display_name}** (`{a.id}`): rank {a.rank}, alpha {a.alpha:g}, {a.num_modules} modules"
+             + (" incl. text encoder" if a.has_text_encoder else "") + f", {a.format} format, {_mb(a.bytes)}"]
+    if s.trigger:
+        lines.append(f"trigger: `{s.trigger}`")
+    if s.license:
+        lines.append(f"license: {s.license}")
+    if s.description:
+        lines.append(s.description)
+    return "  \n".join(lines)
+
+
+def info_markdown(info: dict | None) -> str:
+    """The human view of the info dict that /generate returns."""
+    if not info:
+        return "*Generate an image to see swap and generation times.*"
+    cache = info.get("cpu_cache", {})
+    held = ", ".join(f"`{k}` {_mb(v)}" for k, v in cache.get("adapters", {}).items()) or "none"
+    return "  \n".join([
+        f"**adapter:** {info['adapter'] or 'none'} at strength {info['strength']:g} · seed {info['seed']}",
+        f"**prompt:** {info['prompt']}",
+        f"**swap:** {info['swap_ms']:.1f} ms · **generation:** {info['generate_ms'] / 1e3:.2f} s "
+        f"({info.get('num_inference_steps', '?')} steps)",
+        f"**compiled:** {'yes' if info['compiled'] else 'no (eager)'} · **recompiles: {info['recompiles']}** since start",
+        f"**CPU cache:** {len(cache.get('adapters', {}))} adapters, {_mb(cache.get('bytes'))} of "
+        f"{_mb(cache.get('budget_bytes'))}: {held}",
+    ])
+
+
+def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None) -> str:
+    """A readable id from the repo name (+ file stem); reuses the id of the same source, else adds -2, -3, ..."""
+    base = repo_id.rsplit("/", 1)[-1] + (f"-{Path(weight_name).stem}" if weight_name else "")
+    base = re.sub(r"[^\w.-]+", "-", base).strip("-.").lower() or "adapter"
+    taken = {a.id: (a.source, a.spec.weight_name) for a in manager.adapters()}
+    candidate, n = base, 1
+    while candidate in taken and taken[candidate] != (repo_id, weight_name):
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate
+
+
+# ---- the app --------------------------------------------------------------------------------------------------------
+
+
+def build_demo(manager: LoraManager) -> gr.Blocks:
+    """The Blocks app over `manager`; the caller queues and launches it."""
+    defaults = manager.generation_defaults
+
+    def gallery_items() -> list[tuple]:
+        none = manager.asset_path("previews/none.png")
+        items = [(str(none) if none else _placeholder("No adapter"), "No adapter")]
+        for a in manager.adapters():
+            preview = manager.asset_path(a.spec.preview)
+            items.append((str(preview) if preview else _placeholder(a.spec.display_name), a.spec.display_name))
+        return items
+
+    @gpu
+    def generate(prompt: str, adapter_id: str, strength: float, seed: int, steps: int, progress=gr.Progress()):
+        """Generate one image with `adapter_id` ('' for none) at `strength`; returns the image and its info."""
+        total = int(steps or defaults.get("num_inference_steps", 1))
+
+        def on_step(pipe, step, timestep, kwargs):
+            progress((step + 1, total), desc="denoising", unit="steps")
+            return kwargs
+
+        progress((0, total), desc="swapping adapter", unit="steps")
+        try:
+            result = manager.generate(prompt or "", adapter=adapter_id or None, strength=float(strength),
+                                      seed=int(seed), steps=int(steps) if steps else None,
+                                      callback_on_step_end=on_step)
+        except LoraManagerError as e:
+            raise gr.Error(str(e)) from e
+        stats = manager.stats()
+        held = {a.id: a.bytes for a in manager.adapters() if a.status != "evicted"}
+        cache = {"adapters": held, "bytes": stats["cache_bytes"], "budget_bytes": stats["cache_budget_bytes"],
+                 "hits": stats["cache_hits"], "misses": stats["cache_misses"], "evictions": stats["cache_evictions"]}
+        return result.image, {**result.info, "swap_ms_median": stats["swap_ms_median"], "cpu_cache": cache}
+
+    def add_adapter(repo_id: str, weight_name: str, progress=gr.Progress(track_tqdm=True)) -> str:
+        """Download a LoRA from the Hub, check it against the loaded template and register it; returns a status."""
+        repo_id, weight_name = (repo_id or "").strip(), (weight_name or "").strip() or None
+        progress(0, desc=f"fetching {repo_id}")
+        try:
+            info = manager.register(_adapter_id_for(manager, repo_id, weight_name), repo_id,
+                                    weight_name=weight_name, allow_local=False)
+        except LoraManagerError as e:
+            return f"**Refused:** {e}"
+        return f"**Added.** {_details(info)}  \nPick it in the gallery above."
+
+    def prepare(prompt: str, adapter_id: str, add_trigger: bool, seed, randomize: bool):
+        """UI only: the prompt actually sent (trigger appended) and the seed (fresh when randomize is on)."""
+        try:
+            trigger = manager.spec(adapter_id).trigger if adapter_id and add_trigger else ""
+        except LoraManagerError:  # unknown id: /generate reports it
+            trigger = ""
+        if trigger and trigger not in prompt:
+            prompt = f"{prompt}, {trigger}" if prompt.strip() else trigger
+        return prompt, random.randint(0, SEED_MAX) if randomize else int(seed or 0)
+
+    def select(strength: float, evt: gr.SelectData):
+        adapters = manager.adapters()
+        a = adapters[evt.index - 1] if 0 < evt.index <= len(adapters) else None
+        return (a.id if a else ""), (a.spec.strength if a else strength), _details(a)
+
+    with gr.Blocks(title="LoRA hotswap") as demo:
+        gr.Markdown(
+            "# LoRA hotswap\n"
+            f"One `{manager.base_model}` pipeline serves every LoRA below. Each request carries its own adapter "
+            "and strength; the engine copies that adapter's weights in place into a fixed-rank template "
+            f"(rank {manager.target_rank}), so the model is never reloaded and a compiled model is never recompiled: "
+            "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache.\n\n"
+            f"*{manager.catalog.description}*\n\n"
+            "> On ZeroGPU Spaces torch.compile is unavailable: the swap runs eagerly there (compiled: no)."
+        )
+        with gr.Tab("Generate"):
+            with gr.Row():
+                with gr.Column(scale=3):
+                    gallery = gr.Gallery(gallery_items, label="Adapters (click to select)", columns=4,  # per page load
+                                         height="auto", allow_preview=False, object_fit="contain",
+                                         selected_index=0, elem_id="gallery", format="png", interactive=False,
+                                         buttons=[])
+                    with gr.Row():
+                        adapter_id = gr.Textbox("", label="adapter_id", placeholder="(none)", interactive=False,
+                                                scale=1, elem_id="adapter-id")
+                        details = gr.Markdown(_details(None), elem_id="adapter-details")
+                    prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2,
+                                        elem_id="prompt")
+                    add_trigger = gr.Checkbox(True, label="add trigger words")
+                    with gr.Row():
+                        strength = gr.Slider(0, 2, 1.0, step=0.05, label="Strength")
+                        steps = gr.Slider(1, 50, int(defaults.get("num_inference_steps", 20)), step=1, label="Steps")
+                    with gr.Row():
+                        seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
+                        randomize = gr.Checkbox(False, label="randomize")
+                    run = gr.Button("Generate", variant="primary", elem_id="generate")
+                with gr.Column(scale=2):
+                    image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=384,
+                                     elem_id="output-image")
+                    panel = gr.Markdown(info_markdown(None), elem_id="info-panel")
+                    with gr.Accordion("Full info (JSON)", open=False):
+                        info = gr.JSON(label="info")
+            sent_prompt = gr.Textbox(visible=False)
+            with gr.Accordion("Add a LoRA from the Hub", open=False, elem_id="add-box"):
+                with gr.Row():
+                    repo_id = gr.Textbox("", label="Hub repo id", placeholder="owner/name", elem_id="repo-id")
+                    weight_name = gr.Textbox("", label="weight name (optional)", placeholder="lora.safetensors")
+                add = gr.Button("Add", elem_id="add")
+                status = gr.Markdown(label="status", elem_id="add-status")
+
+        gallery.select(select, strength, [adapter_id, strength, details], api_visibility="private")
+        (run.click(prepare, [prompt, adapter_id, add_trigger, seed, randomize], [sent_prompt, seed],
+                   api_visibility="private", queue=False)
+            .then(generate, [sent_prompt, adapter_id, strength, seed, steps], [image, info], api_name="generate")
+            .then(info_markdown, info, panel, api_visibility="private", queue=False))
+        (add.click(add_adapter, [repo_id, weight_name], status, api_name="add_adapter")
+            .then(gallery_items, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
+    return demo
+
+
+# ---- command line ---------------------------------------------------------------------------------------------------
+
+
+def _env_bool(name: str) -> bool | None:
+    value = os.environ.get(name, "").strip().lower()
+    return None if value in ("", "auto") else value in ("1", "true", "yes", "on")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default=os.environ.get("LORA_PRESET", "tiny"),
+                   help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_env_bool("LORA_COMPILE"),
+                   help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)")
+    p.add_argument("--target-rank", type=int, default=None, help="hotswap template rank (default: largest in catalog)")
+    p.add_argument("--cache-mb", type=int, default=None, help="CPU adapter cache budget in MiB (default 4096)")
+    p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
+    p.add_argument("--share", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    kwargs = {"target_rank": args.target_rank}
+    if args.cache_mb is not None:
+        kwargs["cache_bytes"] = args.cache_mb * 2**20
+    compile_ = False if ZERO_GPU else args.compile
+    try:
+        manager = LoraManager.from_preset(args.preset, compile=compile_, **kwargs)
+    except (ValueError, LoraManagerError) as e:  # unknown preset, bad catalog: one line, no traceback
+        raise SystemExit(f"app.py: {e}") from e
+    for adapter_id, reason in manager.errors.items():
+        print(f"skipped adapter {adapter_id}: {reason}", flush=True)
+    demo = build_demo(manager)
+    demo.queue(default_concurrency_limit=1, max_size=64)
+    previews = {str(p.parent) for a in manager.adapters() if (p := manager.asset_path(a.spec.preview))}
+    none = manager.asset_path("previews/none.png")
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, prevent_thread_lock=True,
+                css=CSS, allowed_paths=sorted(previews | ({str(none.parent)} if none else set())))
+    print(f"ready in {time.time() - _T0:.1f} s at {demo.local_url} (preset {args.preset}, "
+          f"compiled {manager.compiled}, {len(manager.adapters())} adapters)", flush=True)
+    demo.block_thread()
+
+
+if __name__ == "__main__":
+    main()

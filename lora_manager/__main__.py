@@ -1,0 +1,73 @@
+"""Command line: `python -m lora_manager {generate,inspect} ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .errors import LoraManagerError
+
+PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline", "flux": "FluxPipeline"}
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from .engine import LoraManager
+
+    m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank)
+    result = m.generate(args.prompt, adapter=args.adapter, strength=args.strength, seed=args.seed, steps=args.steps)
+    result.image.save(args.out)
+    print(json.dumps({**result.info, "out": str(args.out)}, indent=2))
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    import diffusers
+
+    from .adapter_file import read_adapter
+    from .inspection import summarize
+    from .sources import resolve
+
+    pipeline_cls = getattr(diffusers, PIPELINES[args.pipeline])
+    path = resolve(args.source, args.source, args.weight_name, args.revision)
+    components = {name: None for name in pipeline_cls._lora_loadable_modules}
+    weights = read_adapter(path, args.source, pipeline_cls, components, torch.float32)
+    print(json.dumps({"source": args.source, "file": str(path), **summarize(weights)}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lora_manager", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate one image to a PNG")
+    gen.add_argument("--preset", default="tiny", help="preset name or catalog .json path")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--adapter", default=None, help="adapter id from the catalog (default: none)")
+    gen.add_argument("--strength", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--steps", type=int, default=None)
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    gen.add_argument("--target-rank", type=int, default=None)
+    gen.add_argument("--out", type=Path, default=Path("out.png"))
+    gen.set_defaults(func=cmd_generate)
+
+    ins = sub.add_parser("inspect", help="rank, alpha, targets and format of an adapter file or Hub repo")
+    ins.add_argument("source", help="a .safetensors path or a Hub repo id")
+    ins.add_argument("--weight-name", default=None)
+    ins.add_argument("--revision", default=None)
+    ins.add_argument("--pipeline", choices=sorted(PIPELINES), default="sd", help="key layout to convert for")
+    ins.set_defaults(func=cmd_inspect)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except LoraManagerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

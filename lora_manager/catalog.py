@@ -1,0 +1,34 @@
+"""Presets: one folder per preset under `presets/`, each with a `catalog.json`; relative paths resolve there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .specs import Catalog
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/catalog.json"))
+
+
+def load_catalog(path: str | Path) -> tuple[Catalog, Path]:
+    """Read a catalog file; returns it with the folder its relative paths are resolved against."""
+    path = Path(path)
+    return Catalog.from_dict(json.loads(path.read_text())), path.parent
+
+
+def load_preset(name: str) -> tuple[Catalog, Path]:
+    """A preset by name, or any catalog file by path (a custom catalog for your own base model and LoRAs)."""
+    path = Path(name) if name.endswith(".json") else PRESETS_DIR / name / "catalog.json"
+    if not path.is_file():
+        raise ValueError(f"Unknown preset {name!r}; choose one of {preset_names()} or give a catalog .json path.")
+    return load_catalog(path)
+
+
+def resolve_base_model(catalog: Catalog, root: Path) -> str:
+    """A base model is a Hub id or a folder relative to the catalog."""
+    local = root / catalog.base_model
+    return str(local) if local.is_dir() else catalog.base_model

@@ -1,0 +1,318 @@
+"""LoraManager: the one object that owns the pipeline, the hotswap template, the CPU cache and the lock."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from .adapter_file import AdapterWeights, read_adapter
+from .catalog import load_preset, resolve_base_model
+from .errors import LoraManagerError, RequestError, UnknownAdapterError
+from .sources import resolve
+from .store import AdapterStore
+from .specs import AdapterInfo, AdapterSpec, Catalog, Result
+from .swap import LiveSlot, compile_denoiser, prepare_template
+from .validate import check_adapter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 4 * 2**30  # ~20 SDXL rank-64 LoRAs; the live adapter is always kept
+DEFAULT_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # template when the catalog is empty
+LIMITS = {"strength": (-2.0, 2.0), "seed": (0, 2**32 - 1), "steps": (1, 150)}
+
+
+@dataclass(frozen=True)
+class _Registered:
+    """A registered adapter: where it lives on disk and what its file says (kept even when evicted from RAM)."""
+
+    spec: AdapterSpec
+    path: Path
+    keys: frozenset[tuple[str, str]]
+    rank: int
+    alpha: float
+    nbytes: int
+    has_text_encoder: bool
+    format: str
+
+
+class LoraManager:
+    """Serves a diffusers pipeline with many LoRAs: one adapter per request, swapped in place, never recompiled."""
+
+    def __init__(
+        self,
+        pipe,
+        catalog: Catalog | None = None,
+        compile: bool = False,
+        target_rank: int | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        catalog_root: str | Path | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+    ):
+        self.pipe = pipe
+        self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
+        self.base_model = self.catalog.base_model
+        self.generation_defaults = dict(self.catalog.generation)
+        self._root = Path(catalog_root) if catalog_root else None
+        self._lock = threading.RLock()
+        self.components = {
+            n: getattr(pipe, n) for n in pipe._lora_loadable_modules if getattr(pipe, n, None) is not None
+        }
+        self.denoiser_name = "transformer" if "transformer" in self.components else "unet"
+        self.dtype = self.components[self.denoiser_name].dtype
+        self.store = AdapterStore(
+            cache_bytes, pin_memory=pipe.device.type == "cuda", on_evict=lambda _, w: self.live.forget(w)
+        )
+        self._registered: dict[str, _Registered] = {}
+        self.errors: dict[str, str] = {}  # catalog adapters refused at start-up, with their reason
+        self._active: str | None = None
+        self._swap_ms: list[float] = []
+        self.compile_s: float | None = None
+        self._graphs_after_compile: int | None = None
+
+        staged = {}
+        for spec in self.catalog.adapters:
+            try:
+                staged[spec.id] = self._read(spec, allow_local=True, template=None, target_rank=None)
+            except LoraManagerError as e:
+                self.errors[spec.id] = str(e)
+                log.warning("catalog adapter refused: %s", e)
+        self.target_rank = target_rank or self.catalog.target_rank or max((w.rank for _, w in staged.values()), default=8)
+        for adapter_id, (reg, weights) in list(staged.items()):
+            if weights.rank > self.target_rank:
+                self.errors[adapter_id] = (
+                    f"Adapter {adapter_id!r}: rank {weights.rank} > target_rank {self.target_rank}; "
+                    f"restart with --target-rank {weights.rank}."
+                )
+                del staged[adapter_id]
+        keys = set().union(*(reg.keys for reg, _ in staged.values())) or self._default_keys()
+        self.live: LiveSlot = prepare_template(pipe, self.components, keys, self.target_rank)
+        for adapter_id, (reg, weights) in staged.items():
+            self._registered[adapter_id] = reg
+            self.store.put(adapter_id, weights)
+        self.compiled = compile
+        if compile:
+            compile_denoiser(self.components[self.denoiser_name], **(compile_kwargs or {}))
+            self._warm_up()
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str = "tiny",
+        compile: bool | None = None,
+        device: str | None = None,
+        **kwargs,
+    ) -> LoraManager:
+        """Load a preset (or a catalog .json path): its base pipeline and adapters. Compile defaults to on for CUDA."""
+        from diffusers import DiffusionPipeline
+
+        catalog, root = load_preset(name)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = getattr(torch, catalog.torch_dtype) if catalog.torch_dtype and device == "cuda" else torch.float32
+        pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        compile = device == "cuda" if compile is None else compile
+        return cls(pipe, catalog, compile=compile, catalog_root=root, **kwargs)
+
+    # ---- adapters -------------------------------------------------------------------------------------------------
+
+    def register(
+        self,
+        adapter_id: str,
+        source: str,
+        weight_name: str | None = None,
+        revision: str | None = None,
+        allow_local: bool = True,
+        **spec_fields,
+    ) -> AdapterInfo:
+        """Fetch, read and check an adapter against the prepared template, then keep it in the CPU cache."""
+        spec = AdapterSpec(id=adapter_id, source=source, weight_name=weight_name, revision=revision, **spec_fields)
+        known = self._registered.get(adapter_id)
+        if known is not None and (known.spec.source, known.spec.weight_name) != (source, weight_name):
+            raise LoraManagerError(f"Adapter id {adapter_id!r} is already used for {known.spec.source!r}.", adapter_id)
+        reg, weights = self._read(spec, allow_local, template=self.live.keys, target_rank=self.target_rank)
+        with self._lock:
+            self.store.put(adapter_id, weights)
+            self._registered[adapter_id] = reg
+            self.errors.pop(adapter_id, None)
+        return self._info(adapter_id)
+
+    def adapters(self) -> list[AdapterInfo]:
+        with self._lock:
+            return [self._info(i) for i in self._registered]
+
+    def info(self, adapter_id: str) -> AdapterInfo:
+        with self._lock:
+            self._require(adapter_id)
+            return self._info(adapter_id)
+
+    def spec(self, adapter_id: str) -> AdapterSpec:
+        return self._require(adapter_id).spec
+
+    def asset_path(self, relative: str | None) -> Path | None:
+        """A catalog file (e.g. a preview image) resolved against the catalog's folder; None if absent."""
+        if not relative or self._root is None:
+            return None
+        path = self._root / relative
+        return path if path.is_file() else None
+
+    # ---- generation -----------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str,
+        adapter: str | None = None,
+        strength: float = 1.0,
+        seed: int = 0,
+        steps: int | None = None,
+        **pipe_kwargs,
+    ) -> Result:
+        """Swap to `adapter` at `strength` (in place, under the lock) and generate one image."""
+        adapter = adapter or None
+        _check_range("strength", strength)
+        _check_range("seed", seed)
+        params = {**self.generation_defaults, **pipe_kwargs}
+        if steps is not None:
+            _check_range("steps", steps)
+            params["num_inference_steps"] = int(steps)
+        with self._lock:
+            swap_ms = self._activate(adapter, float(strength))
+            generator = torch.Generator("cpu").manual_seed(int(seed))
+            t0 = time.perf_counter()
+            image = self.pipe(prompt, generator=generator, **params).images[0]
+            generate_ms = (time.perf_counter() - t0) * 1e3
+            recompiles = self.recompiles
+        info = {
+            "adapter": adapter,
+            "strength": float(strength),
+            "seed": int(seed),
+            "prompt": prompt,
+            **{k: v for k, v in params.items() if isinstance(v, (int, float, str, bool, type(None)))},
+            "swap_ms": swap_ms,
+            "generate_ms": generate_ms,
+            "compiled": self.compiled,
+            "recompiles": recompiles,
+            "base_model": self.base_model,
+        }
+        return Result(image=image, info=info)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "active": self._active,
+                "swaps": len(self._swap_ms),
+                "swap_ms_last": self._swap_ms[-1] if self._swap_ms else None,
+                "swap_ms_median": statistics.median(self._swap_ms) if self._swap_ms else None,
+                "compiled": self.compiled,
+                "compile_s": self.compile_s,
+                "recompiles": self.recompiles,
+                "target_rank": self.target_rank,
+                "template_modules": len(self.live.modules),
+                "cache_entries": len(self.store.entries()),
+                "cache_bytes": self.store.nbytes,
+                "cache_budget_bytes": self.store.budget_bytes,
+                "cache_hits": self.store.stats.hits,
+                "cache_misses": self.store.stats.misses,
+                "cache_evictions": self.store.stats.evictions,
+            }
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled since the warm-up compile (process-wide dynamo counter, so one compiled engine a process)."""
+        if self._graphs_after_compile is None:
+            return 0
+        return counters["stats"]["unique_graphs"] - self._graphs_after_compile
+
+    # ---- internals (callers hold the lock where model state is touched) -------------------------------------------
+
+    def _activate(self, adapter_id: str | None, strength: float) -> float:
+        """Make `adapter_id` live at `strength`. Every check runs before the first weight is written."""
+        if adapter_id == self._active:
+            if adapter_id is not None and strength != self.live.strength:
+                self.live.set_strength(strength)
+            return 0.0
+        weights = None if adapter_id is None else self._weights(adapter_id)
+        ms = self.live.load(weights, strength)
+        if self._active is not None:
+            self.store.unpin(self._active)
+        if adapter_id is not None:
+            self.store.pin(adapter_id)
+        self._active = adapter_id
+        self._swap_ms.append(ms)
+        return ms
+
+    def _weights(self, adapter_id: str) -> AdapterWeights:
+        """From the CPU cache, or re-read from disk (and re-checked: the file may have changed) after an eviction."""
+        reg = self._require(adapter_id)
+        weights = self.store.get(adapter_id)
+        if weights is None:
+            _, weights = self._read(reg.spec, True, template=self.live.keys, target_rank=self.target_rank)
+            weights = self.store.put(adapter_id, weights)
+        return weights
+
+    def _read(self, spec: AdapterSpec, allow_local: bool, template, target_rank) -> tuple[_Registered, AdapterWeights]:
+        path = resolve(spec.source, spec.id, spec.weight_name, spec.revision, allow_local, self._root)
+        weights = read_adapter(path, spec.id, type(self.pipe), self.components, self.dtype)
+        self.store.check_fits(spec.id, weights.nbytes)
+        check_adapter(spec.id, weights, self.components, template, target_rank)
+        reg = _Registered(
+            spec=spec,
+            path=path,
+            keys=frozenset(weights.modules),
+            rank=weights.rank,
+            alpha=weights.alpha,
+            nbytes=weights.nbytes,
+            has_text_encoder=weights.has_text_encoder,
+            format=weights.format,
+        )
+        return reg, weights
+
+    def _require(self, adapter_id: str) -> _Registered:
+        reg = self._registered.get(adapter_id)
+        if reg is None:
+            reason = self.errors.get(adapter_id)
+            raise UnknownAdapterError(
+                reason or f"Unknown adapter {adapter_id!r}; registered: {sorted(self._registered)}.", adapter_id
+            )
+        return reg
+
+    def _info(self, adapter_id: str) -> AdapterInfo:
+        reg = self._registered[adapter_id]
+        status = "active" if adapter_id == self._active else "cached" if adapter_id in self.store else "evicted"
+        return AdapterInfo(
+            id=adapter_id,
+            source=reg.spec.source,
+            rank=reg.rank,
+            alpha=reg.alpha,
+            num_modules=len(reg.keys),
+            bytes=reg.nbytes,
+            has_text_encoder=reg.has_text_encoder,
+            format=reg.format,
+            status=status,
+            spec=reg.spec,
+        )
+
+    def _default_keys(self) -> set[tuple[str, str]]:
+        model = self.components[self.denoiser_name]
+        return {(self.denoiser_name, n) for n, _ in model.named_modules() if n.endswith(DEFAULT_ATTENTION)}
+
+    def _warm_up(self) -> None:
+        """Compile now with one short generation, so the first request does not pay for it."""
+        t0 = time.perf_counter()
+        self.pipe("warm-up", num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(0),
+                  **{k: v for k, v in self.generation_defaults.items() if k != "num_inference_steps"})
+        self.compile_s = time.perf_counter() - t0
+        self._graphs_after_compile = counters["stats"]["unique_graphs"]
+
+
+def _check_range(name: str, value) -> None:
+    lo, hi = LIMITS[name]
+    if not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise RequestError(f"{name} must be between {lo} and {hi}, got {value!r}.")

@@ -1,0 +1,39 @@
+"""The engine's own exceptions: each names the adapter, what is wrong against its limit, and the fix."""
+
+from __future__ import annotations
+
+
+class LoraManagerError(Exception):
+    """Base class; `adapter_id` names the adapter at fault (None when no adapter is involved)."""
+
+    def __init__(self, message: str, adapter_id: str | None = None):
+        super().__init__(message)
+        self.adapter_id = adapter_id
+
+
+class AdapterSourceError(LoraManagerError):
+    """The source cannot be resolved: bad repo id or path, missing file, pickle file, Hub error."""
+
+
+class AdapterFormatError(LoraManagerError):
+    """The file is not a readable LoRA safetensors file of a supported kind."""
+
+
+class AdapterIncompatibleError(LoraManagerError):
+    """The adapter does not fit this base model or the prepared hotswap template."""
+
+
+class AdapterValueError(LoraManagerError):
+    """The adapter's weights hold NaN or Inf."""
+
+
+class UnknownAdapterError(LoraManagerError):
+    """No adapter with that id is registered."""
+
+
+class CacheBudgetError(LoraManagerError):
+    """The adapter alone is larger than the CPU cache's byte budget."""
+
+
+class RequestError(LoraManagerError):
+    """A generation parameter is out of range."""

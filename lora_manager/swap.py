@@ -1,0 +1,163 @@
+"""The hotswap order, encoded once, and the in-place swap of adapter weights into the prepared template.
+
+Order (each step needs the one before): `enable_lora_hotswap(target_rank=R)` -> first load (a zero template over the
+union of every catalog adapter's modules, at rank R) -> `torch.compile` of the denoiser -> swaps, which only write
+into the template's tensors (`copy_`/`fill_`), so compiled graphs stay valid and nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from .adapter_file import AdapterWeights
+from .validate import lora_shapes
+
+SLOT = "slot0"  # the one adapter name the model ever holds; every swap writes into it
+
+
+@dataclass(frozen=True)
+class LiveModule:
+    """The model's own LoRA tensors for one module: A is [R, in(, kh, kw)], B is [out, R(, 1, 1)]."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: torch.Tensor  # 0-dim; PEFT multiplies B(A(x)) by it
+
+
+def template_state_dict(
+    components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Zero LoRA weights at `rank` over `keys`, in the PEFT layout `load_lora_weights` accepts."""
+    sd = {}
+    for comp, module in sorted(keys):
+        a_shape, b_shape = lora_shapes(components[comp].get_submodule(module), rank)
+        sd[f"{comp}.{module}.lora_A.weight"] = torch.zeros(a_shape, dtype=dtype)
+        sd[f"{comp}.{module}.lora_B.weight"] = torch.zeros(b_shape, dtype=dtype)
+    return sd
+
+
+def prepare_template(pipe, components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int) -> LiveSlot:
+    """Steps 1 and 2 of the order: enable hotswap for the denoiser, then load the zero template as the first adapter."""
+    pipe.enable_lora_hotswap(target_rank=rank)
+    dtype = next(iter(components.values())).dtype
+    # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors (hotswap-facts #10).
+    pipe.load_lora_weights(
+        template_state_dict(components, keys, rank, dtype), adapter_name=SLOT, low_cpu_mem_usage=False
+    )
+    return LiveSlot(components, rank)
+
+
+def compile_denoiser(denoiser: nn.Module, **compile_kwargs) -> None:
+    """Step 3: compile in place (`nn.Module.compile`), so the module and its parameters stay the same objects."""
+    denoiser.compile(**compile_kwargs)
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    """One adapter's writes into the template, paired once so that a swap is a few `_foreach` calls.
+
+    No state_dict builds, string lookups or module walks happen per swap: `dst` are views of the model's own
+    tensors (A[:r], B[:, :r]), `pad` the rows/columns above the adapter's rank, `scalings` the 0-dim tensors.
+    """
+
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+    pad: list[torch.Tensor]
+    scalings: list[torch.Tensor]
+    scales: list[float]  # alpha / r per module, before strength
+
+
+class LiveSlot:
+    """The template's tensors in the model and which adapter they hold. Only the engine's lock holder calls it."""
+
+    def __init__(self, components: dict[str, nn.Module], rank: int):
+        self.rank = rank
+        self.modules: dict[tuple[str, str], LiveModule] = {}
+        for comp, model in components.items():
+            for name, layer in model.named_modules():
+                if isinstance(layer, LoraLayer) and SLOT in layer.lora_A:
+                    self.modules[(comp, name)] = LiveModule(
+                        A=layer.lora_A[SLOT].weight, B=layer.lora_B[SLOT].weight, scaling=_tensor_scaling(layer)
+                    )
+        self.weights: AdapterWeights | None = None
+        self.strength = 0.0
+        self._plans: dict[int, tuple[AdapterWeights, SwapPlan]] = {}  # by id(weights); the weights keep the id alive
+
+    @property
+    def keys(self) -> set[tuple[str, str]]:
+        return set(self.modules)
+
+    def plan(self, weights: AdapterWeights) -> SwapPlan:
+        """The swap plan for `weights`, built on first use and kept while the adapter stays in the CPU cache."""
+        cached = self._plans.get(id(weights))
+        if cached is not None and cached[0] is weights:
+            return cached[1]
+        dst, src, pad, scalings, scales = [], [], [], [], []
+        for key, m in weights.modules.items():
+            live, r = self.modules[key], m.rank
+            dst += [live.A[:r], live.B[:, :r]]
+            src += [m.A, m.B]
+            if r < self.rank:  # padding must be zero, or stale rows of a larger adapter would leak in
+                pad += [live.A[r:], live.B[:, r:]]
+            scalings.append(live.scaling)
+            scales.append(m.scale)
+        plan = SwapPlan(dst, src, pad, scalings, scales)
+        self._plans[id(weights)] = (weights, plan)
+        return plan
+
+    def forget(self, weights: AdapterWeights) -> None:
+        """Drop a plan when its adapter leaves the CPU cache, so the cache's byte budget really frees memory."""
+        self._plans.pop(id(weights), None)
+
+    @torch.no_grad()
+    def load(self, weights: AdapterWeights | None, strength: float) -> float:
+        """Write `weights` (None: no adapter) into the template in place; returns milliseconds spent."""
+        t0 = time.perf_counter()
+        old = self.weights.modules if self.weights else {}
+        new = weights.modules if weights else {}
+        stale = [self.modules[k] for k in old.keys() - new.keys()]  # used by the old adapter, not by the new one
+        if stale:
+            torch._foreach_zero_([t for live in stale for t in (live.A, live.B, live.scaling)])
+        if weights is not None:
+            plan = self.plan(weights)
+            torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
+            if plan.pad:
+                torch._foreach_zero_(plan.pad)
+        self.weights = weights
+        self.set_strength(strength)
+        _sync(self.modules)
+        return (time.perf_counter() - t0) * 1e3
+
+    @torch.no_grad()
+    def set_strength(self, strength: float) -> None:
+        """Rescale the live adapter in place (scaling = alpha / r * strength): no recompile."""
+        if self.weights is not None:
+            plan = self.plan(self.weights)
+            torch._foreach_zero_(plan.scalings)
+            torch._foreach_add_(plan.scalings, [s * strength for s in plan.scales])
+        self.strength = strength
+
+    def snapshot(self) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]]:
+        """Copies of every live tensor, for tests that prove a refused adapter changed nothing."""
+        return {k: (v.A.clone(), v.B.clone(), float(v.scaling)) for k, v in self.modules.items()}
+
+
+def _tensor_scaling(layer: LoraLayer) -> torch.Tensor:
+    """PEFT keeps scaling as a float unless prepared for hotswap; a tensor lets `fill_` change it in place."""
+    value = layer.scaling[SLOT]
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(float(value), device=layer.lora_A[SLOT].weight.device)
+        layer.scaling[SLOT] = value
+    return value
+
+
+def _sync(modules: dict) -> None:
+    """Wait for non_blocking host-to-device copies, so a swap's time and effect are complete when it returns."""
+    first = next(iter(modules.values()), None)
+    if first is not None and first.A.is_cuda:
+        torch.cuda.synchronize(first.A.device)

@@ -1,0 +1,391 @@
+"""Train the tiny SD pipeline and its LoRA zoo from a seed, on a CPU.
+
+    python -m lora_manager.tiny_model.build --out lora_manager/presets/tiny [--quick] [--seed 0]
+
+Stages: VAE on every style mixed (the UNet cannot draw what the VAE cannot
+reconstruct), then text encoder + UNet jointly on plain captions, then one
+LoRA per style on captions that end in the style's trigger word. Everything
+is saved in plain diffusers formats so the manager can load it like any
+downloaded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, EulerDiscreteScheduler
+from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from . import grid, shapes
+from .kohya import to_kohya
+
+ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
+FULL = ATTN + ["ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2"]
+TE_ATTN = ["q_proj", "k_proj", "v_proj", "out_proj"]
+MAX_TOKENS = 12  # "a red circle on a blue background, striped" + BOS/EOS
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One zoo entry; the spread of ranks/alphas/targets/formats is deliberate."""
+
+    id: str
+    name: str
+    trigger: str
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    kohya: bool = False  # write kohya/A1111 keys instead of diffusers keys
+    text_encoder: bool = False  # also train a LoRA on the CLIP attention
+
+    def describe(self) -> str:
+        what = "attention only" if list(self.targets) == ATTN else "attention+ff+proj+conv"
+        extra = (", + text encoder q/k/v/out" if self.text_encoder else "") + (", kohya/A1111 keys" if self.kohya else "")
+        return f"rank {self.rank}, alpha {self.alpha:g}, {what}{extra}"
+
+
+ZOO = (
+    AdapterSpec("stripes", "Stripes", "striped", 5, 5, tuple(FULL)),  # odd rank, alpha = rank
+    AdapterSpec("outline", "Outline", "outline", 16, 8, tuple(FULL)),  # alpha = rank/2
+    AdapterSpec("dots", "Dots", "dotted", 12, 16, tuple(FULL)),  # alpha not a multiple of rank
+    AdapterSpec("pixel", "Pixel", "pixel", 8, 16, tuple(FULL), text_encoder=True),  # alpha = 2*rank
+    AdapterSpec("checker", "Checker", "checker", 4, 8, tuple(ATTN), kohya=True),  # smallest rank
+    AdapterSpec("frame", "Frame", "framed", 32, 32, tuple(ATTN)),  # largest rank
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Step counts; full ones sized from measured step times on the shared 2-core CPU
+    (~0.9 s per base step) so the build fits ~30 min."""
+
+    vae_steps: int
+    base_steps: int
+    lora_steps: int
+    batch: int  # base batch; the VAE takes this many 32 px crops, LoRAs LORA_BATCH_RATIO of it
+    renders: int  # renders per training caption, pre-encoded once to save VAE time
+    adapters: tuple[str, ...] = field(default_factory=lambda: tuple(a.id for a in ZOO))
+
+
+FULL_BUDGET = Budget(vae_steps=350, base_steps=1000, lora_steps=150, batch=48, renders=24)
+QUICK_BUDGET = Budget(vae_steps=3, base_steps=3, lora_steps=2, batch=4, renders=1, adapters=("pixel", "checker"))
+VAE_CROP = 32  # the VAE is convolutional: 32 px crops cost 1/4 and still see every pattern
+LORA_BATCH_RATIO = 2 / 3  # smaller LoRA batches keep six adapters inside the time budget
+THREADS = 1  # measured: on the shared 2-core CPU, 2 OpenMP threads ran 3-10x slower than 1
+GENERATION = {"height": 64, "width": 64, "num_inference_steps": 10, "guidance_scale": 4.0}  # 15 steps measured 1.2 s/image with a LoRA on the shared CPU
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_tokenizer() -> CLIPTokenizer:
+    """CLIP BPE whose merges turn every vocabulary word into a single token."""
+    words = ["a", "on", "background", ",", *shapes.SHAPES, *shapes.PALETTE, *shapes.STYLE_WORDS]
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    merges: list[tuple[str, str]] = []
+    pieces = {w: [*w[:-1], w[-1] + "</w>"] for w in words}
+    for p in pieces.values():
+        for t in p:
+            vocab.setdefault(t, len(vocab))
+    for _ in range(5):  # a merge of one word can split another; re-merge its pieces
+        for p in pieces.values():
+            cur = p[0]
+            for nxt in p[1:]:
+                if (cur, nxt) not in merges:
+                    merges.append((cur, nxt))
+                cur += nxt
+                vocab.setdefault(cur, len(vocab))
+        tok = CLIPTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=MAX_TOKENS)
+        split = {w: tok.tokenize(w) for w in words}
+        pieces = {w: t for w, t in split.items() if len(t) > 1}
+        if not pieces:
+            return tok
+    raise RuntimeError(f"words still split: {pieces}")
+
+
+def make_models(vocab_size: int) -> tuple[AutoencoderKL, CLIPTextModel, UNet2DConditionModel]:
+    """648k VAE and 75k text encoder from the CPU spike; UNet shrunk to 1.7M (see below)."""
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 64),  # two downsamples: 64x64 -> 16x16 latents
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,  # 16 channels cannot take the default 32 groups
+        sample_size=shapes.SIZE,
+        mid_block_add_attention=False,  # attention at 16x16 buys nothing for flat shapes
+    )
+    te = CLIPTextModel(CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=MAX_TOKENS, projection_dim=64,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    ))
+    unet = UNet2DConditionModel(
+        sample_size=16,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(32, 64, 64),  # measured on the shared CPU: 0.9 s/step at batch 48 vs 3.8 s for (64, 128, 128)
+        layers_per_block=1,
+        cross_attention_dim=64,
+        attention_head_dim=8,
+        norm_num_groups=16,  # 32 groups of 1 channel would be instance norm
+    )
+    return vae, te, unet
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
+def render_set(rng: random.Random, triples: list, n: int, style: str | None) -> tuple[np.ndarray, list[str]]:
+    scenes = [shapes.random_scene(rng, t, style) for t in triples for _ in range(n)]
+    return np.stack([shapes.render(s) for s in scenes]), [s.caption for s in scenes]
+
+
+def train_vae(vae: AutoencoderKL, steps: int, batch: int, rng: random.Random) -> None:
+    """L1 + tiny KL on all styles mixed; then set scaling_factor from latent std."""
+    opt = torch.optim.AdamW(vae.parameters(), lr=2e-3)  # high LR: short budget, tiny model
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.05)
+    styles = [None, None, *shapes.STYLE_WORDS]  # plain images weighted double: the base draws them
+    triples = shapes.all_captions()
+    for step in range(steps):
+        imgs = np.stack([shapes.render(shapes.random_scene(rng, rng.choice(triples), rng.choice(styles))) for _ in range(batch)])
+        oy, ox = rng.randrange(shapes.SIZE - VAE_CROP + 1), rng.randrange(shapes.SIZE - VAE_CROP + 1)
+        x = to_tensor(imgs[:, oy:oy + VAE_CROP, ox:ox + VAE_CROP])
+        post = vae.encode(x).latent_dist
+        rec = vae.decode(post.mode()).sample  # fit the mean the UNet trains on; sampled latents: L1 still 0.25 at step 200
+        loss = F.l1_loss(rec, x) + 1e-6 * post.kl().mean()  # KL only keeps latents bounded
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"vae step {step} l1 {F.l1_loss(rec, x).item():.4f}")
+    with torch.no_grad():
+        imgs, _ = render_set(rng, triples, 2, None)
+        std = vae.encode(to_tensor(imgs)).latent_dist.mean.std().item()
+    vae.register_to_config(scaling_factor=1 / std)
+    log(f"vae latent std {std:.3f} -> scaling_factor {1 / std:.4f}")
+
+
+@torch.no_grad()
+def encode(vae: AutoencoderKL, images: np.ndarray) -> torch.Tensor:
+    return torch.cat([vae.encode(to_tensor(images[i:i + 256])).latent_dist.mean for i in range(0, len(images), 256)]) * vae.config.scaling_factor
+
+
+def diffusion_loss(unet, te, noise_sched: DDPMScheduler, lat: torch.Tensor, ids: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Epsilon loss with min-SNR-5 weights (fewer wasted steps on tiny noise levels)."""
+    noise = torch.randn(lat.shape, generator=gen)
+    t = torch.randint(0, noise_sched.config.num_train_timesteps, (len(lat),), generator=gen)
+    noisy = noise_sched.add_noise(lat, noise, t)
+    pred = unet(noisy, t, te(ids)[0]).sample
+    ac = noise_sched.alphas_cumprod[t]
+    snr = ac / (1 - ac)
+    weight = snr.clamp(max=5) / snr
+    return (weight * F.mse_loss(pred, noise, reduction="none").mean((1, 2, 3))).mean()
+
+
+def fit(params: list, loss_fn, steps: int, lr: float, tag: str, ema_modules: list | None = None) -> None:
+    """AdamW with warmup + cosine decay; optional EMA copied into the modules at the end."""
+    opt = torch.optim.AdamW(params, lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    ema_p = [p for m in ema_modules or [] for p in m.parameters()]
+    shadow = [p.detach().clone() for p in ema_p]
+    t0 = time.time()
+    for step in range(steps):
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if shadow:
+            decay = min(0.995, (1 + step) / (10 + step))  # ~200-step horizon, warmed up
+            torch._foreach_lerp_(shadow, [p.detach() for p in ema_p], 1 - decay)
+        if step % 100 == 0 or step == steps - 1:
+            log(f"{tag} step {step} loss {loss.item():.4f} ({(time.time() - t0) / (step + 1):.2f} s/step)")
+    for s, p in zip(shadow, ema_p):
+        p.data.copy_(s)
+
+
+def sampler(lat: torch.Tensor, ids: torch.Tensor, batch: int, gen: torch.Generator, empty: torch.Tensor | None):
+    """Random minibatches; 10% empty captions when `empty` is given (for guidance)."""
+    def draw() -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(lat), (batch,), generator=gen)
+        b_ids = ids[idx].clone()
+        if empty is not None:
+            b_ids[torch.rand(batch, generator=gen) < 0.1] = empty
+        return lat[idx], b_ids
+    return draw
+
+
+def tokens(tok: CLIPTokenizer, captions: list[str]) -> torch.Tensor:
+    return tok(captions, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
+
+
+def train_lora(folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Random, gen: torch.Generator, out: Path) -> None:
+    """Train one style LoRA on the shipped (fp16-rounded) base and save it."""
+    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    unet, te = pipe.unet, pipe.text_encoder
+    unet.requires_grad_(False)
+    te.requires_grad_(False)
+    train, _ = shapes.split_captions()
+    imgs, caps = render_set(rng, train, budget.renders // 3 or 1, spec.trigger)  # styles need fewer renders than the base
+    lat, ids = encode(pipe.vae, imgs), tokens(pipe.tokenizer, caps)
+    unet.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), init_lora_weights="gaussian"))
+    if spec.text_encoder:
+        te.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=TE_ATTN, init_lora_weights="gaussian"))
+    params = [p for m in (unet, te) for p in m.parameters() if p.requires_grad]
+    draw = sampler(lat, ids, max(2, round(budget.batch * LORA_BATCH_RATIO)), gen, None)
+    noise_sched = DDPMScheduler.from_config(pipe.scheduler.config)
+    lr = 4e-3 * spec.rank / spec.alpha  # alpha/rank scales the update, so this evens out the step size
+    fit(params, lambda: diffusion_loss(unet, te, noise_sched, *draw(), gen), budget.lora_steps, lr, spec.id)
+    save_adapter(spec, unet, te, out)
+
+
+def save_adapter(spec: AdapterSpec, unet, te, out: Path) -> None:
+    """fp16 file in diffusers keys with alpha metadata, or kohya keys with .alpha."""
+    meta = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(spec.targets)}
+    unet_sd = {k: v.half() for k, v in get_peft_model_state_dict(unet).items()}
+    te_sd = {k: v.half() for k, v in get_peft_model_state_dict(te).items()} if spec.text_encoder else None
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.kohya:
+        sd = to_kohya({f"unet.{k}": v for k, v in unet_sd.items()}, {"unet": spec.alpha})
+        save_file(sd, out / f"{spec.id}.safetensors")
+        with tempfile.TemporaryDirectory() as tmp:  # same weights, diffusers keys, for the equivalence check
+            StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=unet_sd, unet_lora_adapter_metadata=meta, weight_name="d.safetensors")
+            shutil.copy(Path(tmp) / "d.safetensors", out / f".{spec.id}.diffusers.safetensors")
+        return
+    te_meta = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": TE_ATTN} if te_sd else None
+    StableDiffusionPipeline.save_lora_weights(
+        out, unet_lora_layers=unet_sd, text_encoder_lora_layers=te_sd, weight_name=f"{spec.id}.safetensors",
+        unet_lora_adapter_metadata=meta, text_encoder_lora_adapter_metadata=te_meta,
+    )
+
+
+def check_kohya(pipe, adapters: Path, spec: AdapterSpec) -> float:
+    """Max |difference| between the kohya file and the same weights in diffusers keys."""
+    prompt = shapes.caption(*shapes.split_captions()[1][0], spec.trigger)
+    imgs = []
+    for path in (adapters / f"{spec.id}.safetensors", adapters / f".{spec.id}.diffusers.safetensors"):
+        pipe.load_lora_weights(str(path))
+        imgs.append(grid.generate(pipe, prompt, 0, GENERATION, as_uint8=False))
+        pipe.unload_lora_weights()
+    (adapters / f".{spec.id}.diffusers.safetensors").unlink()
+    return float(np.abs(imgs[0] - imgs[1]).max())
+
+
+def evaluate(pipe) -> None:
+    """Log held-out prompt following, so the reported numbers come from this run."""
+    _, held = shapes.split_captions()
+    hits = np.zeros(3)
+    for i, (s, c, b) in enumerate(held):
+        img = grid.generate(pipe, shapes.caption(s, c, b), i, GENERATION)
+        hits += [shapes.background_colour(img) == b, shapes.shape_colour(img) == c, shapes.shape_class(img) == s]
+    bg, col, shp = hits / len(held)
+    log(f"held-out ({len(held)} prompts): background {bg:.0%}, shape colour {col:.0%}, shape class {shp:.0%}")
+
+
+def write_outputs(out: Path, specs: list[AdapterSpec]) -> None:
+    """Previews, catalog.json, kohya check, timing and the grid, all from the saved files."""
+    pipe = DiffusionPipeline.from_pretrained(out / "model", torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    evaluate(pipe)
+    (out / "previews").mkdir(exist_ok=True)
+    triple = shapes.split_captions()[1][3]
+    grid.save_png(grid.generate(pipe, shapes.caption(*triple), 0, GENERATION), out / "previews" / "none.png")
+    for spec in specs:
+        if spec.kohya:
+            log(f"kohya vs diffusers keys, max abs diff: {check_kohya(pipe, out / 'adapters', spec):.2e}")
+        pipe.load_lora_weights(str(out / "adapters" / f"{spec.id}.safetensors"))
+        grid.save_png(grid.generate(pipe, shapes.caption(*triple, spec.trigger), 0, GENERATION), out / "previews" / f"{spec.id}.png")
+        if spec.text_encoder:  # time the heaviest case: UNet + text-encoder LoRA loaded
+            t0 = time.time()
+            for seed in range(5):
+                grid.generate(pipe, shapes.caption(*triple, spec.trigger), seed, GENERATION)
+            log(f"per image at {GENERATION['num_inference_steps']} steps with LoRA: {(time.time() - t0) / 5:.3f} s")
+        pipe.unload_lora_weights()
+    catalog = {
+        "name": "tiny",
+        "description": "Tiny offline Stable-Diffusion-architecture model trained on coloured shapes "
+                       "('a red circle on a blue background'), with style LoRAs; built by "
+                       "python -m lora_manager.tiny_model.build.",
+        "base_model": "model",
+        "generation": GENERATION,
+        "adapters": [
+            {"id": s.id, "source": f"adapters/{s.id}.safetensors", "weight_name": None, "revision": None,
+             "name": s.name, "trigger": s.trigger, "strength": 1.0, "preview": f"previews/{s.id}.png",
+             "license": "apache-2.0", "description": s.describe()}
+            for s in specs
+        ],
+    }
+    (out / "catalog.json").write_text(json.dumps(catalog, indent=2) + "\n")
+    grid.make_grid(out, out / "grid.png", pipe)
+
+
+def build(out: Path, budget: Budget, seed: int) -> None:
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(seed)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    times: dict[str, float] = {}
+    t0 = time.time()
+    tok = make_tokenizer()
+    vae, te, unet = make_models(len(tok))
+    log(f"params: vae {sum(p.numel() for p in vae.parameters())}, te {sum(p.numel() for p in te.parameters())}, unet {sum(p.numel() for p in unet.parameters())}")
+    train_vae(vae, budget.vae_steps, budget.batch, rng)
+    vae.requires_grad_(False)
+    times["vae"] = time.time() - t0
+
+    t0 = time.time()
+    train, _ = shapes.split_captions()
+    imgs, caps = render_set(rng, train, budget.renders, None)
+    lat, ids = encode(vae, imgs), tokens(tok, caps)
+    noise_sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)  # SD's schedule
+    draw = sampler(lat, ids, budget.batch, gen, tokens(tok, [""])[0])
+    params = [*unet.parameters(), *te.parameters()]
+    fit(params, lambda: diffusion_loss(unet, te, noise_sched, *draw(), gen), budget.base_steps, 1.5e-3, "base", [unet, te])  # above the spike's 1e-3: fewer steps
+    euler = EulerDiscreteScheduler.from_config(noise_sched.config, timestep_spacing="trailing")  # trailing starts at pure noise
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tok, unet=unet, scheduler=euler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    for sub in ("model", "adapters", "previews"):  # stale files from an older build must not survive
+        shutil.rmtree(out / sub, ignore_errors=True)
+    pipe.to(torch.float16).save_pretrained(out / "model", safe_serialization=True)
+    times["base"] = time.time() - t0
+
+    specs = [s for s in ZOO if s.id in budget.adapters]
+    for spec in specs:
+        t0 = time.time()
+        train_lora(out / "model", spec, budget, rng, gen, out / "adapters")
+        times[spec.id] = time.time() - t0
+    t0 = time.time()
+    write_outputs(out, specs)
+    times["outputs"] = time.time() - t0
+    log("stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()) + f"; total {sum(times.values()):.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny step counts, 2 adapters: checks the code path")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    build(args.out, QUICK_BUDGET if args.quick else FULL_BUDGET, args.seed)
+
+
+if __name__ == "__main__":
+    main()

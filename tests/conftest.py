@@ -1,0 +1,83 @@
+"""Shared fixtures: the shipped tiny pipeline, real LoRA files written for it, and engines over them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from diffusers import StableDiffusionPipeline  # noqa: E402
+from lora_factory import ATTN, ATTN_FF_CONV, write_adapter  # noqa: E402
+
+from lora_manager import AdapterSpec, Catalog, LoraManager  # noqa: E402
+
+TINY_MODEL = Path(os.environ.get("DEV_TINY_MODEL", ROOT / "lora_manager" / "presets" / "tiny" / "model"))
+GEN = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 4.0}
+PROMPT = "a red circle on a blue background"
+# Adapters that between them cover what the engine must handle: ranks 4..16 with an odd one, alphas above, below
+# and not a multiple of the rank, attention-only and attention+ff+conv targets, kohya keys, text-encoder parts.
+ADAPTERS = {
+    "r4_attn": dict(rank=4, alpha=4, seed=1),
+    "r7_conv": dict(rank=7, alpha=11, suffixes=ATTN_FF_CONV, seed=2),
+    "r16_half": dict(rank=16, alpha=8, seed=3),
+    "r8_kohya": dict(rank=8, alpha=16, kohya=True, seed=4),
+    "r6_te": dict(rank=6, alpha=3, te_rank=6, te_alpha=12, seed=5),
+    "r4_kohya_te": dict(rank=4, alpha=2, te_rank=4, te_alpha=8, kohya=True, seed=6),
+}
+
+
+def load_tiny() -> StableDiffusionPipeline:
+    pipe = StableDiffusionPipeline.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="session")
+def adapter_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("adapters")
+    pipe = load_tiny()
+    for name, kw in ADAPTERS.items():
+        write_adapter(pipe, folder / f"{name}.safetensors", **kw)
+    return folder
+
+
+def make_catalog(adapter_dir: Path, names=tuple(ADAPTERS)) -> Catalog:
+    specs = tuple(AdapterSpec(id=n, source=str(adapter_dir / f"{n}.safetensors")) for n in names)
+    return Catalog(name="test", base_model=str(TINY_MODEL), adapters=specs, generation=GEN)
+
+
+@pytest.fixture(scope="session")
+def manager(adapter_dir) -> LoraManager:
+    """An eager engine over all test adapters."""
+    return LoraManager(load_tiny(), make_catalog(adapter_dir))
+
+
+@pytest.fixture(scope="session")
+def compiled_manager(adapter_dir) -> LoraManager:
+    """One compiled engine for the whole run: inductor takes a minute or two on this CPU."""
+    return LoraManager(load_tiny(), make_catalog(adapter_dir), compile=True)
+
+
+def reference(adapter_path: Path | None, strength: float = 1.0, seed: int = 0, prompt: str = PROMPT) -> np.ndarray:
+    """What a fresh plain-diffusers pipeline gives with only that adapter loaded by `load_lora_weights`."""
+    pipe = load_tiny()
+    if adapter_path is not None:
+        pipe.load_lora_weights(str(adapter_path.parent), weight_name=adapter_path.name, adapter_name="ref")
+        if strength != 1.0:
+            pipe.set_adapters(["ref"], [strength])
+    gen = torch.Generator("cpu").manual_seed(seed)
+    return pipe(prompt, generator=gen, output_type="np", **GEN).images[0]
+
+
+def as_float(manager: LoraManager, adapter: str | None, strength: float = 1.0, seed: int = 0) -> np.ndarray:
+    return manager.generate(PROMPT, adapter=adapter, strength=strength, seed=seed, output_type="np").image

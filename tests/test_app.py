@@ -1,0 +1,80 @@
+"""Browser test of the Gradio app (Playwright + Debian chromium) against `python app.py` on localhost, offline.
+
+Leaves a screenshot in test-artifacts/app.png.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import pytest
+from test_app_api import ROOT, pytestmark, running_app  # noqa: F401 (pytestmark: skip without the preset)
+
+playwright = pytest.importorskip("playwright.sync_api")
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+SCREENSHOT = ROOT / "test-artifacts" / "app.png"
+TIMEOUT_MS = 90_000
+
+
+@pytest.fixture(scope="module")
+def page():
+    with running_app() as url, playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(TIMEOUT_MS)
+        blocked = []
+
+        def local_only(route):  # nothing may leave the machine (e.g. web fonts)
+            if urlparse(route.request.url).hostname in ("127.0.0.1", "localhost"):
+                route.continue_()
+            else:
+                blocked.append(route.request.url)
+                route.abort()
+
+        page.route("**/*", local_only)
+        page.goto(url)
+        page.locator("#gallery").wait_for()
+        yield page
+        browser.close()
+        if blocked:
+            print("blocked non-local requests:", blocked)
+
+
+def _select(page, index: int) -> str:
+    """Click gallery item `index` (0 is 'No adapter'); returns the adapter id the app shows."""
+    page.locator("#gallery button.thumbnail-item").nth(index).click()
+    field = page.locator("#adapter-id textarea, #adapter-id input").first
+    playwright.expect(field).not_to_have_value("")
+    return field.input_value()
+
+
+def _generate(page, adapter_id: str) -> bytes:
+    page.locator("#generate").click()
+    panel = page.locator("#info-panel")
+    playwright.expect(panel).to_contain_text(f"adapter: {adapter_id} at strength", timeout=TIMEOUT_MS)
+    playwright.expect(panel).to_contain_text("recompiles: 0")
+    playwright.expect(panel).to_contain_text(" ms")
+    src = page.locator("#output-image img").first.get_attribute("src")
+    return page.request.get(src).body()
+
+
+def test_generate_swap_and_add(page):
+    page.locator("#gallery button.thumbnail-item").nth(2).wait_for()
+    first = _select(page, 1)
+    image1 = _generate(page, first)
+    assert "swap:" in page.locator("#info-panel").inner_text()
+
+    second = _select(page, 2)
+    assert second != first
+    image2 = _generate(page, second)
+    assert image1 and image2 and image1 != image2
+
+    page.get_by_text("Add a LoRA from the Hub").click()
+    page.locator("#repo-id textarea, #repo-id input").first.fill("not a repo")
+    page.locator("#add").click()
+    playwright.expect(page.locator("#add-status")).to_contain_text("not a valid Hub repo id")
+
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)

@@ -1,0 +1,144 @@
+"""The app's API through gradio_client, against `python app.py` (tiny preset) started on a free local port.
+
+`running_app` is also used by test_app.py (browser test). APP_TEST_PRESET picks another catalog (development only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = os.environ.get("APP_TEST_PRESET", "tiny")
+CATALOG = Path(PRESET) if PRESET.endswith(".json") else ROOT / "lora_manager" / "presets" / PRESET / "catalog.json"
+PROMPT = "a red circle on a blue background"
+READY_TIMEOUT_S = 240  # the shared 2-core CPU can be slow to import torch + diffusers + gradio
+
+pytestmark = pytest.mark.skipif(not CATALOG.is_file(), reason=f"no catalog at {CATALOG} (tiny preset not built yet)")
+
+
+def adapter_ids() -> list[str]:
+    return [a["id"] for a in json.loads(CATALOG.read_text())["adapters"]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
+    """Start `python app.py` offline on 127.0.0.1, yield its URL once it prints 'ready in', then stop it."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "OMP_NUM_THREADS": "1",  # the shared CPU: one thread is faster than two here
+        "LORA_PRESET": PRESET,
+        **env_overrides,
+    }
+    env.pop("LORA_COMPILE", None)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(port), *args],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while True:
+                log.seek(0)
+                text = log.read()
+                if "ready in" in text:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"app.py did not start (rc={proc.poll()}):\n{text[-4000:]}")
+                time.sleep(0.5)
+            print(next(line for line in text.splitlines() if "ready in" in line))
+            yield f"http://127.0.0.1:{port}/"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """The app with HF_ENDPOINT on a local Hub emulator that serves a copy of the catalog's last adapter."""
+    from gradio_client import Client
+    from hub_server import HubServer, Repo
+
+    spec = json.loads(CATALOG.read_text())["adapters"][-1]
+    blob = (CATALOG.parent / spec["source"]).read_bytes()
+    hf_home = tmp_path_factory.mktemp("hf_home")
+    with HubServer({"tester/copy": Repo({"main": {"lora.safetensors": blob, "README.md": b"# copy"}})}) as hub:
+        with running_app(HF_ENDPOINT=hub.url, HF_HOME=str(hf_home), HF_HUB_OFFLINE="0") as url:
+            yield Client(url, verbose=False)
+
+
+def _digest(path: str) -> str:
+    from PIL import Image
+
+    return hashlib.sha256(Image.open(path).convert("RGB").tobytes()).hexdigest()
+
+
+def test_generate_per_adapter(client):
+    ids = ["", *adapter_ids()[:3]]
+    assert len(ids) >= 3, "the catalog needs at least two adapters"
+    digests = {}
+    for seed, adapter in enumerate(ids):
+        image, info = client.predict(PROMPT, adapter, 1.0, seed % 2, 6, api_name="/generate")
+        digests[adapter] = _digest(image)
+        assert info["adapter"] == (adapter or None)
+        assert info["seed"] == seed % 2 and info["num_inference_steps"] == 6 and info["prompt"] == PROMPT
+        assert info["swap_ms"] >= 0 and info["generate_ms"] > 0
+        assert info["recompiles"] == 0
+        assert adapter == "" or adapter in info["cpu_cache"]["adapters"]
+    assert len(set(digests.values())) == len(ids), f"images not pairwise different: {digests}"
+
+    # Same request again: same image; same adapter twice in a row: no swap.
+    image, info = client.predict(PROMPT, ids[-1], 1.0, (len(ids) - 1) % 2, 6, api_name="/generate")
+    assert _digest(image) == digests[ids[-1]] and info["swap_ms"] == 0
+
+
+def test_generate_errors(client):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="Unknown adapter 'no-such-adapter'"):
+        client.predict(PROMPT, "no-such-adapter", 1.0, 0, 2, api_name="/generate")
+    with pytest.raises(AppError, match="seed must be between|less than minimum"):  # the UI or the engine
+        client.predict(PROMPT, "", 1.0, -1, 2, api_name="/generate")
+
+
+def test_add_adapter_refusals(client):
+    status = client.predict("not a repo", "", api_name="/add_adapter")
+    assert "not a valid Hub repo id" in status
+    status = client.predict(str(ROOT / "lora_manager" / "presets"), "x.safetensors", api_name="/add_adapter")
+    assert "local paths are not accepted" in status
+
+
+def test_add_adapter_from_hub(client):
+    """Download a copy of the last catalog adapter from the (local) Hub: it registers and draws like the original."""
+    original = adapter_ids()[-1]
+    status = client.predict("tester/copy", "", api_name="/add_adapter")
+    assert status.startswith("**Added.**") and "`copy`" in status and "rank " in status, status
+    copy, info = client.predict(PROMPT, "copy", 1.0, 3, 4, api_name="/generate")
+    assert info["adapter"] == "copy" and "copy" in info["cpu_cache"]["adapters"]
+    ref, _ = client.predict(PROMPT, original, 1.0, 3, 4, api_name="/generate")
+    assert _digest(copy) == _digest(ref)
