@@ -110,7 +110,9 @@ def read_header(path: Path, adapter_id: str) -> FileHeader:
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise AdapterFormatError(f"Adapter {adapter_id!r}: {path.name} is empty or too short ({size} bytes).")
+            raise AdapterFormatError(
+                f"Adapter {adapter_id!r}: {path.name} is empty or too short ({size} bytes).", adapter_id
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise AdapterFormatError(

@@ -75,6 +75,9 @@ def reference(adapter_path: Path | None, strength: float = 1.0, seed: int = 0, p
         pipe.load_lora_weights(str(adapter_path.parent), weight_name=adapter_path.name, adapter_name="ref")
         if strength != 1.0:
             pipe.set_adapters(["ref"], [strength])
+        # PEFT adds lora_dropout modules in training mode: without eval() plain diffusers applies dropout at inference.
+        pipe.unet.eval()
+        pipe.text_encoder.eval()
     gen = torch.Generator("cpu").manual_seed(seed)
     return pipe(prompt, generator=gen, output_type="np", **GEN).images[0]
 

@@ -63,3 +63,15 @@ def write_adapter(
         text_encoder_lora_adapter_metadata=meta(te, te_rank, te_alpha) if te else None,
     )
     return path
+
+
+def rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy a safetensors file through `edit(tensors, metadata)`, keeping diffusers' metadata unless edited."""
+    from safetensors import safe_open
+
+    with safe_open(str(src), "pt") as f:
+        metadata = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors, metadata)
+    save_file(tensors, str(dst), metadata=metadata)
+    return dst
