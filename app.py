@@ -117,6 +117,8 @@ def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None)
 def build_demo(manager: LoraManager) -> gr.Blocks:
     """The Blocks app over `manager`; the caller queues and launches it."""
     defaults = manager.generation_defaults
+    local = Path(manager.base_model).is_absolute()  # a preset's own folder: its name says more than the path
+    model = f"{manager.catalog.name} ({Path(manager.base_model).name})" if local else manager.base_model
 
     def gallery_items() -> list[tuple]:
         none = manager.asset_path("previews/none.png")
@@ -177,7 +179,7 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
     with gr.Blocks(title="LoRA hotswap") as demo:
         gr.Markdown(
             "# LoRA hotswap\n"
-            f"One `{manager.base_model}` pipeline serves every LoRA below. Each request carries its own adapter "
+            f"One `{model}` pipeline serves every LoRA below. Each request carries its own adapter "
             "and strength; the engine copies that adapter's weights in place into a fixed-rank template "
             f"(rank {manager.target_rank}), so the model is never reloaded and a compiled model is never recompiled: "
             "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache.\n\n"

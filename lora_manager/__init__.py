@@ -8,6 +8,7 @@ from .errors import (
     AdapterValueError,
     CacheBudgetError,
     LoraManagerError,
+    QueueFullError,
     RequestError,
     UnknownAdapterError,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "Catalog",
     "LoraManager",
     "LoraManagerError",
+    "QueueFullError",
     "RequestError",
     "Result",
     "UnknownAdapterError",

@@ -6,6 +6,7 @@ import logging
 import statistics
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from torch._dynamo.utils import counters
 from .adapter_file import AdapterWeights, read_adapter
 from .catalog import load_preset, resolve_base_model
 from .errors import LoraManagerError, RequestError, UnknownAdapterError
+from .scheduler import Request, Scheduler
 from .sources import resolve
 from .store import AdapterStore
 from .specs import AdapterInfo, AdapterSpec, Catalog, Result
@@ -55,12 +57,14 @@ class LoraManager:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         catalog_root: str | Path | None = None,
         compile_kwargs: dict[str, Any] | None = None,
+        max_queue: int = 64,
+        max_batch: int = 1,
     ):
         self.pipe = pipe
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
-        self.base_model = self.catalog.base_model
-        self.generation_defaults = dict(self.catalog.generation)
         self._root = Path(catalog_root) if catalog_root else None
+        self.base_model = resolve_base_model(self.catalog, self._root) if self._root else self.catalog.base_model
+        self.generation_defaults = dict(self.catalog.generation)
         self._lock = threading.RLock()
         self.components = {
             n: getattr(pipe, n) for n in pipe._lora_loadable_modules if getattr(pipe, n, None) is not None
@@ -97,6 +101,7 @@ class LoraManager:
         for adapter_id, (reg, weights) in staged.items():
             self._registered[adapter_id] = reg
             self.store.put(adapter_id, weights)
+        self.scheduler = Scheduler(self._run_batch, lambda: self._active, max_queue=max_queue, max_batch=max_batch)
         self.compiled = compile
         if compile:
             compile_denoiser(self.components[self.denoiser_name], **(compile_kwargs or {}))
@@ -156,6 +161,10 @@ class LoraManager:
     def spec(self, adapter_id: str) -> AdapterSpec:
         return self._require(adapter_id).spec
 
+    def adapter_path(self, adapter_id: str) -> Path:
+        """The adapter's safetensors file on disk (for baselines that load it with plain diffusers)."""
+        return self._require(adapter_id).path
+
     def asset_path(self, relative: str | None) -> Path | None:
         """A catalog file (e.g. a preview image) resolved against the catalog's folder; None if absent."""
         if not relative or self._root is None:
@@ -174,7 +183,20 @@ class LoraManager:
         steps: int | None = None,
         **pipe_kwargs,
     ) -> Result:
-        """Swap to `adapter` at `strength` (in place, under the lock) and generate one image."""
+        """Generate one image with `adapter` at `strength`. Safe from many threads: requests queue in the scheduler,
+        which swaps only between generations and groups requests by adapter."""
+        return self.submit(prompt, adapter, strength, seed, steps, **pipe_kwargs).result()
+
+    def submit(
+        self,
+        prompt: str,
+        adapter: str | None = None,
+        strength: float = 1.0,
+        seed: int = 0,
+        steps: int | None = None,
+        **pipe_kwargs,
+    ) -> Future:
+        """Queue a request and return a Future of its Result; raises QueueFullError when the queue is full."""
         adapter = adapter or None
         _check_range("strength", strength)
         _check_range("seed", seed)
@@ -182,26 +204,44 @@ class LoraManager:
         if steps is not None:
             _check_range("steps", steps)
             params["num_inference_steps"] = int(steps)
+        if adapter is not None:
+            self._require(adapter)
+        return self.scheduler.submit(Request(prompt, adapter, float(strength), int(seed), params))
+
+    def _run_batch(self, requests: list[Request]) -> list[Result]:
+        """Run same-adapter requests as one pipeline call (the scheduler's worker calls this, one batch at a time)."""
+        first = requests[0]
         with self._lock:
-            swap_ms = self._activate(adapter, float(strength))
-            generator = torch.Generator("cpu").manual_seed(int(seed))
+            swap_ms = self._activate(first.adapter, first.strength)
+            generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+            prompts = [r.prompt for r in requests]
+            single = len(requests) == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
             t0 = time.perf_counter()
-            image = self.pipe(prompt, generator=generator, **params).images[0]
+            images = self.pipe(
+                prompts[0] if single else prompts, generator=generators[0] if single else generators, **first.params
+            ).images
             generate_ms = (time.perf_counter() - t0) * 1e3
             recompiles = self.recompiles
-        info = {
-            "adapter": adapter,
-            "strength": float(strength),
-            "seed": int(seed),
-            "prompt": prompt,
-            **{k: v for k, v in params.items() if isinstance(v, (int, float, str, bool, type(None)))},
-            "swap_ms": swap_ms,
-            "generate_ms": generate_ms,
-            "compiled": self.compiled,
-            "recompiles": recompiles,
-            "base_model": self.base_model,
-        }
-        return Result(image=image, info=info)
+        shared = {k: v for k, v in first.params.items() if isinstance(v, (int, float, str, bool, type(None)))}
+        return [
+            Result(
+                image=image,
+                info={
+                    "adapter": r.adapter,
+                    "strength": r.strength,
+                    "seed": r.seed,
+                    "prompt": r.prompt,
+                    **shared,
+                    "swap_ms": swap_ms,
+                    "generate_ms": generate_ms,
+                    "batch_size": len(requests),
+                    "compiled": self.compiled,
+                    "recompiles": recompiles,
+                    "base_model": self.base_model,
+                },
+            )
+            for r, image in zip(requests, images)
+        ]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -221,6 +261,9 @@ class LoraManager:
                 "cache_hits": self.store.stats.hits,
                 "cache_misses": self.store.stats.misses,
                 "cache_evictions": self.store.stats.evictions,
+                "queued": self.scheduler.pending(),
+                "adapter_changes": self.scheduler.stats.adapter_changes,
+                "max_wait_s": self.scheduler.stats.max_wait_s,
             }
 
     @property

@@ -37,3 +37,7 @@ class CacheBudgetError(LoraManagerError):
 
 class RequestError(LoraManagerError):
     """A generation parameter is out of range."""
+
+
+class QueueFullError(LoraManagerError):
+    """The request queue is full: the server is busy and the client should retry."""

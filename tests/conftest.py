@@ -21,7 +21,7 @@ from lora_factory import ATTN, ATTN_FF_CONV, write_adapter  # noqa: E402
 
 from lora_manager import AdapterSpec, Catalog, LoraManager  # noqa: E402
 
-TINY_MODEL = Path(os.environ.get("DEV_TINY_MODEL", ROOT / "lora_manager" / "presets" / "tiny" / "model"))
+TINY_MODEL = ROOT / "lora_manager" / "presets" / "tiny" / "model"
 GEN = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 4.0}
 PROMPT = "a red circle on a blue background"
 # Adapters that between them cover what the engine must handle: ranks 4..16 with an odd one, alphas above, below

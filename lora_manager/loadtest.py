@@ -1,0 +1,181 @@
+"""Load test: K concurrent clients x M requests with random adapters, strengths and seeds, against three servers.
+
+- the engine (`LoraManager.generate`, through its scheduler), checked image by image against solo references;
+- a naive "swap on arrival" server (plain diffusers, every adapter resident, `set_adapters` when a request arrives,
+  no lock): the second seed's global switch, which corrupts requests already in flight;
+- reload per request (`load_lora_weights` from disk, generate, `unload_lora_weights`), serialized.
+Throughput of a mixed-adapter stream is compared with a single-adapter stream on the same engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .engine import LoraManager
+
+PROMPTS = ("a red circle on a blue background", "a green square on a yellow background", "a blue diamond on a white background")
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    adapter: str | None
+    strength: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class RunReport:
+    name: str
+    requests: int
+    wall_s: float
+    images_per_s: float
+    mismatches: int  # images more than 1 level of 255 away from their solo reference
+    adapter_changes_requested: int  # consecutive requests (in arrival order) whose adapters differ
+    swaps: int
+    wait_p50_s: float | None
+    wait_p95_s: float | None
+    wait_max_s: float | None
+
+
+def make_jobs(adapters: list[str | None], n: int, seed: int) -> list[Job]:
+    rng = random.Random(seed)
+    return [
+        Job(rng.choice(PROMPTS), rng.choice(adapters), rng.choice((0.6, 1.0)), rng.randrange(1000)) for _ in range(n)
+    ]
+
+
+def levels(a, b) -> int:
+    """Largest per-pixel difference between two 8-bit images, in levels of 255."""
+    return int(np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max())
+
+
+def solo_references(manager: LoraManager, jobs: list[Job]) -> dict[Job, object]:
+    """Each distinct job generated alone, one after another: what every concurrent result must equal."""
+    return {job: manager.generate(job.prompt, job.adapter, job.strength, job.seed).image for job in dict.fromkeys(jobs)}
+
+
+def _changes(jobs: list[Job]) -> int:
+    return sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:]))
+
+
+def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, name: str) -> RunReport:
+    """K client threads submit their share of the jobs at once; the scheduler orders and groups them."""
+    before = manager.stats()
+    waits_before = len(manager.scheduler.stats.waits_s)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        images = list(pool.map(lambda j: manager.generate(j.prompt, j.adapter, j.strength, j.seed).image, jobs))
+    wall = time.perf_counter() - t0
+    waits = sorted(manager.scheduler.stats.waits_s[waits_before:])
+    mismatches = sum(levels(img, refs[j]) > 1 for j, img in zip(jobs, images)) if refs else 0
+    return RunReport(
+        name=name,
+        requests=len(jobs),
+        wall_s=wall,
+        images_per_s=len(jobs) / wall,
+        mismatches=mismatches,
+        adapter_changes_requested=_changes(jobs),
+        swaps=manager.stats()["swaps"] - before["swaps"],
+        wait_p50_s=statistics.median(waits) if waits else None,
+        wait_p95_s=waits[int(0.95 * (len(waits) - 1))] if waits else None,
+        wait_max_s=waits[-1] if waits else None,
+    )
+
+
+def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, refs: dict, params: dict) -> RunReport:
+    """Every adapter resident in `pipe`; each request switches the global adapter set on arrival, no lock."""
+    import torch
+
+    for name, path in adapters.items():
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+
+    def serve(job: Job):
+        # Its own scheduler (shared modules): what is left to collide is only the global adapter switch.
+        request_pipe = type(pipe).from_pipe(pipe, scheduler=copy.deepcopy(pipe.scheduler))
+        request_pipe.set_progress_bar_config(disable=True)
+        if job.adapter is None:
+            pipe.disable_lora()
+        else:
+            pipe.enable_lora()
+            pipe.set_adapters([job.adapter], [job.strength])
+        gen = torch.Generator("cpu").manual_seed(job.seed)
+        return request_pipe(job.prompt, generator=gen, **params).images[0]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        images = list(pool.map(serve, jobs))
+    wall = time.perf_counter() - t0
+    return RunReport(
+        "naive swap-on-arrival", len(jobs), wall, len(jobs) / wall,
+        sum(levels(img, refs[j]) > 1 for j, img in zip(jobs, images)), _changes(jobs), len(jobs), None, None, None,
+    )
+
+
+def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, params: dict) -> RunReport:
+    """The first seed's option one: read the adapter from disk for every request, one request at a time."""
+    import torch
+
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    mismatches = 0
+    for job in jobs:
+        with lock:
+            if job.adapter is not None:
+                path = adapters[job.adapter]
+                pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name="req")
+                pipe.set_adapters(["req"], [job.strength])
+            gen = torch.Generator("cpu").manual_seed(job.seed)
+            image = pipe(job.prompt, generator=gen, **params).images[0]
+            if job.adapter is not None:
+                pipe.unload_lora_weights()
+        mismatches += levels(image, refs[job]) > 1
+    wall = time.perf_counter() - t0
+    return RunReport("reload per request", len(jobs), wall, len(jobs) / wall, mismatches, _changes(jobs), len(jobs), None, None, None)
+
+
+def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | None = None, preset: str = "tiny") -> dict:
+    """Run all servers on the same jobs and print one JSON report."""
+    from diffusers import DiffusionPipeline
+
+    manager = LoraManager.from_preset(preset, compile=False)
+    ids = [a.id for a in manager.adapters()]
+    paths = {i: manager.adapter_path(i) for i in ids}
+    total = clients * requests
+    mixed = make_jobs([None, *ids], total, seed)
+    single = make_jobs([ids[0]], total, seed + 1)
+    refs = solo_references(manager, mixed + single)
+    reports = [
+        run_engine(manager, single, clients, refs, "engine, one adapter"),
+        run_engine(manager, mixed, clients, refs, "engine, mixed adapters"),
+    ]
+    fresh = lambda: DiffusionPipeline.from_pretrained(manager.base_model, dtype=manager.dtype)  # noqa: E731
+    params = manager.generation_defaults
+    reports.append(run_naive(_quiet(fresh()), paths, mixed, clients, refs, params))
+    reports.append(run_reload(_quiet(fresh()), paths, mixed, refs, params))
+    out = {
+        "clients": clients,
+        "requests": total,
+        "mixed_over_single_throughput": reports[1].images_per_s / reports[0].images_per_s,
+        "runs": [asdict(r) for r in reports],
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if json_out:
+        json_out.write_text(text)
+    return out
+
+
+def _quiet(pipe):
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

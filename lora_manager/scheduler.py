@@ -1,0 +1,142 @@
+"""Adapter-grouped scheduling: one generation (or one same-adapter batch) at a time, swaps kept few, waits bounded.
+
+A request never sees another request's adapter: the worker swaps only between generations. Among queued requests it
+prefers those for the live adapter (no swap), but after `max_consecutive` such runs in a row, or once the oldest
+request has waited `max_wait_s`, it serves the oldest request instead, so no adapter starves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import QueueFullError
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: the adapter and strength travel with the request, never as global state."""
+
+    prompt: str
+    adapter: str | None
+    strength: float
+    seed: int
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def batch_key(self) -> tuple | None:
+        """Requests with equal keys can share one pipeline call; None when params hold callbacks or objects."""
+        if not all(isinstance(v, (int, float, str, bool, type(None))) for v in self.params.values()):
+            return None
+        return (self.adapter, self.strength, tuple(sorted(self.params.items())))
+
+
+@dataclass
+class _Queued:
+    request: Request
+    future: Future
+    order: int
+    enqueued: float
+
+
+@dataclass
+class SchedulerStats:
+    completed: int = 0
+    batches: int = 0
+    adapter_changes: int = 0  # times the next run's adapter differed from the live one (a swap)
+    max_wait_s: float = 0.0
+    waits_s: list[float] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the worker thread; `run_batch(requests)` (the engine, under its lock) does the generation."""
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[Request]], list[Any]],
+        live_adapter: Callable[[], str | None],
+        max_queue: int = 64,
+        max_consecutive: int = 4,
+        max_wait_s: float = 30.0,
+        max_batch: int = 1,
+    ):
+        self.run_batch = run_batch
+        self.live_adapter = live_adapter
+        self.max_queue = max_queue
+        self.max_consecutive = max_consecutive
+        self.max_wait_s = max_wait_s
+        self.max_batch = max_batch
+        self.stats = SchedulerStats()
+        self._queue: list[_Queued] = []
+        self._cond = threading.Condition()
+        self._order = itertools.count()
+        self._streak = 0
+        self._worker = threading.Thread(target=self._loop, name="lora-scheduler", daemon=True)
+        self._worker.start()
+
+    def submit(self, request: Request) -> Future:
+        """Queue a request; a full queue answers at once with QueueFullError rather than waiting without bound."""
+        future: Future = Future()
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(f"Busy: {len(self._queue)} requests are queued (limit {self.max_queue}); retry.")
+            self._queue.append(_Queued(request, future, next(self._order), time.monotonic()))
+            self._cond.notify()
+        return future
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                batch = self._pick()
+            self._run(batch)
+
+    def _pick(self) -> list[_Queued]:
+        """Choose the next group (caller holds the condition): live adapter first, within the fairness bounds."""
+        now = time.monotonic()
+        oldest = min(self._queue, key=lambda q: q.order)
+        live = self.live_adapter()
+        same = [q for q in self._queue if q.request.adapter == live]
+        fair = self._streak < self.max_consecutive and now - oldest.enqueued < self.max_wait_s
+        head = min(same, key=lambda q: q.order) if same and fair else oldest
+        key = head.request.batch_key()
+        group = [head]
+        if key is not None:
+            group += [q for q in sorted(self._queue, key=lambda q: q.order) if q is not head and q.request.batch_key() == key]
+        group = group[: self.max_batch]
+        for q in group:
+            self._queue.remove(q)
+        self._streak = self._streak + 1 if head.request.adapter == live else 1
+        if head.request.adapter != live:
+            self.stats.adapter_changes += 1
+        return group
+
+    def _run(self, group: list[_Queued]) -> None:
+        start = time.monotonic()
+        for q in group:
+            if not q.future.set_running_or_notify_cancel():
+                group = [g for g in group if g is not q]
+        if not group:
+            return
+        try:
+            results = self.run_batch([q.request for q in group])
+        except BaseException as e:  # the error belongs to these requests; the worker serves the next ones
+            for q in group:
+                q.future.set_exception(e)
+            return
+        finally:
+            waits = [start - q.enqueued for q in group]
+            self.stats.waits_s.extend(waits)
+            self.stats.max_wait_s = max([self.stats.max_wait_s, *waits])
+            self.stats.batches += 1
+        for q, result in zip(group, results):
+            self.stats.completed += 1
+            q.future.set_result(result)

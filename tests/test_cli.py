@@ -1,0 +1,44 @@
+"""`python -m lora_manager` as a user runs it: inspect an adapter file, generate a PNG on the embedded preset."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ADAPTERS, ROOT
+from PIL import Image
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lora_manager", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_inspect_reads_rank_alpha_targets_and_format(adapter_dir):
+    for name in ("r7_conv", "r4_kohya_te"):
+        out = run("inspect", str(adapter_dir / f"{name}.safetensors"))
+        assert out.returncode == 0, out.stderr
+        summary = json.loads(out.stdout)
+        kw = ADAPTERS[name]
+        assert summary["rank"] == kw["rank"] and summary["format"] == ("kohya" if kw.get("kohya") else "peft")
+        assert summary["has_text_encoder"] == bool(kw.get("te_rank"))
+    conv = json.loads(run("inspect", str(adapter_dir / "r7_conv.safetensors")).stdout)
+    assert conv["alphas"] == [11.0] and "unet:conv" in conv["targets"] and "unet:attention" in conv["targets"]
+
+
+def test_inspect_refuses_a_pickle_with_a_clear_message(tmp_path):
+    bad = tmp_path / "model.ckpt"
+    bad.write_bytes(b"\x80\x04K\x01.")
+    out = run("inspect", str(bad))
+    assert out.returncode == 2 and "pickle file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_generate_writes_a_png_with_reproducible_info(tmp_path):
+    png = tmp_path / "out.png"
+    out = run("generate", "--prompt", "a red circle on a blue background", "--steps", "4", "--out", str(png))
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["adapter"] is None and info["num_inference_steps"] == 4 and info["seed"] == 0
+    assert Image.open(png).size == (info["width"], info["height"])
