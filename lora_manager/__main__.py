@@ -1,4 +1,4 @@
-"""Command line: `python -m lora_manager {generate,inspect} ...`."""
+"""Command line: `python -m lora_manager {generate,inspect,bench} ...`."""
 
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(json.dumps({"source": args.source, "file": str(path), **summarize(weights)}, indent=2))
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from . import bench
+
+    bench.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lora_manager", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--revision", default=None)
     ins.add_argument("--pipeline", choices=sorted(PIPELINES), default="sd", help="key layout to convert for")
     ins.set_defaults(func=cmd_inspect)
+
+    ben = sub.add_parser("bench", help="time every way of switching LoRAs side by side (JSON + plot)")
+    ben.add_argument("--scale", choices=("tiny", "sdxl"), default="tiny")
+    ben.add_argument("--repeats", type=int, default=10)
+    ben.add_argument("--json", type=Path, default=None)
+    ben.add_argument("--plot", type=Path, default=None, help="PNG path")
+    ben.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    ben.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                     help="default: float32 (tiny), bfloat16 (sdxl)")
+    ben.add_argument("--compile", action="store_true", help="also time compile and count recompiles over 10 swaps")
+    ben.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     try:

@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -25,7 +25,7 @@ from .adapter_file import AdapterWeights
 from .swap import SLOT, LiveSlot, compile_denoiser, template_state_dict
 
 NAME = "bench"  # the adapter name the plain-diffusers strategies load under
-Inputs = dict[str, torch.Tensor]
+Inputs = dict[str, Any]  # keyword arguments of the denoiser call
 
 
 @dataclass(frozen=True)
