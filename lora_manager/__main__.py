@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                      help="default: float32 (tiny), bfloat16 (sdxl)")
     ben.add_argument("--compile", action="store_true", help="also time compile and count recompiles over 10 swaps")
+    ben.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ben.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -307,6 +307,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """On a shared CPU, oversubscribed OpenMP threads make forward timings swing 30x; one thread keeps them steady."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n or old)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def _unique(adapters: list[S.BenchAdapter]) -> list[S.BenchAdapter]:
     return list({a.name: a for a in adapters}.values())
 
@@ -381,7 +392,8 @@ def write_plot(report: dict, path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    report = run(args.scale, args.repeats, args.device, args.dtype, args.compile)
+    with _threads(args.threads):
+        report = run(args.scale, args.repeats, args.device, args.dtype, args.compile)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -142,3 +142,12 @@ def test_add_adapter_from_hub(client):
     assert info["adapter"] == "copy" and "copy" in info["cpu_cache"]["adapters"]
     ref, _ = client.predict(PROMPT, original, 1.0, 3, 4, api_name="/generate")
     assert _digest(copy) == _digest(ref)
+
+
+def test_concurrent_api_requests_each_get_their_own_adapter(client):
+    """The second seed through the Gradio API: submitted together, each result equals the same request served alone."""
+    jobs = [(adapter, seed) for seed in (5, 6) for adapter in ["", *adapter_ids()[:3]]]
+    pending = [client.submit(PROMPT, a, 0.9, s, 4, api_name="/generate") for a, s in jobs]
+    together = [_digest(job.result(timeout=300)[0]) for job in pending]
+    alone = [_digest(client.predict(PROMPT, a, 0.9, s, 4, api_name="/generate")[0]) for a, s in jobs]
+    assert together == alone
