@@ -1,4 +1,4 @@
-"""Command line: `python -m lora_manager {generate,inspect,bench} ...`."""
+"""Command line: `python -m lora_manager {generate,inspect,bench,loadtest} ...`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench.main(args)
 
 
+def cmd_loadtest(args: argparse.Namespace) -> None:
+    from . import loadtest
+
+    loadtest.main(args.clients, args.requests, args.seed, args.json, args.preset)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lora_manager", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--compile", action="store_true", help="also time compile and count recompiles over 10 swaps")
     ben.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ben.set_defaults(func=cmd_bench)
+
+    load = sub.add_parser("loadtest", help="K concurrent clients x M requests: engine vs naive vs reload per request")
+    load.add_argument("--clients", type=int, default=4)
+    load.add_argument("--requests", type=int, default=8, help="per client")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--preset", default="tiny")
+    load.add_argument("--json", type=Path, default=None)
+    load.set_defaults(func=cmd_loadtest)
 
     args = parser.parse_args(argv)
     try:

@@ -366,7 +366,7 @@ def write_plot(report: dict, path: Path) -> None:
               for k, _ in items]
     bars.barh([k.removesuffix("_ms") for k, _ in items], [v for _, v in items], color=colors)
     for y, (_, v) in enumerate(items):
-        bars.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+        bars.text(v, y, f" {v:.0f}" if v >= 100 else f" {v:.3g}", va="center", fontsize=8)
     bars.set_xscale("log")
     bars.set_xlabel("milliseconds per switch (median, log scale)")
     bars.set_title(f"Switching adapters: {report['scale']}, {report['dtype']}, {report['device']}")

@@ -103,7 +103,8 @@ class LiveSlot:
             dst += [live.A[:r], live.B[:, :r]]
             src += [m.A, m.B]
             if r < self.rank:  # padding must be zero, or stale rows of a larger adapter would leak in
-                pad += [live.A[r:], live.B[:, r:]]
+                # CUDA: zero the whole dense tensors (a few fused kernels) rather than two strided views per module
+                pad += [live.A, live.B] if live.A.is_cuda else [live.A[r:], live.B[:, r:]]
             scalings.append(live.scaling)
             scales.append(m.scale)
         plan = SwapPlan(dst, src, pad, scalings, scales)
@@ -125,9 +126,9 @@ class LiveSlot:
             torch._foreach_zero_([t for live in stale for t in (live.A, live.B, live.scaling)])
         if weights is not None:
             plan = self.plan(weights)
-            torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
-            if plan.pad:
+            if plan.pad:  # before the copy: on CUDA it covers the copied rows too
                 torch._foreach_zero_(plan.pad)
+            torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
         self.weights = weights
         self.set_strength(strength)
         _sync(self.modules)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One-shot benchmark on a CUDA machine, about 3 minutes on an H200 and capped at 8: SDXL-size swap latencies in
+# bf16 (pinned host memory, as the engine uses on CUDA), then the tiny preset compiled (compile time, recompiles
+# over 10 swaps). Writes JSON, PNG and logs to $OUT (default ./out). Usage: OUT=/some/dir bash lora_manager/gpu_bench.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+timeout 300 "$PYTHON" -m lora_manager bench --scale sdxl --device cuda --dtype bfloat16 --repeats 10 \
+    --json "$OUT/bench_gpu.json" --plot "$OUT/bench_gpu.png" 2>&1 | tee "$OUT/bench_gpu.log"
+timeout 170 "$PYTHON" -m lora_manager bench --scale tiny --device cuda --compile --repeats 10 \
+    --json "$OUT/bench_gpu_tiny.json" --plot "$OUT/bench_gpu_tiny.png" 2>&1 | tee "$OUT/bench_gpu_tiny.log"
