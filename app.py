@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 import gradio as gr  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
-from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
+from lora_manager import AdapterInfo, LoraManager, LoraManagerError, bench  # noqa: E402
 
 try:  # ZeroGPU: a GPU is attached only inside functions decorated with spaces.GPU
     import spaces
@@ -172,6 +172,14 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
         a = adapters[evt.index - 1] if 0 < evt.index <= len(adapters) else None
         return (a.id if a else ""), (a.spec.strength if a else strength), _details(a)
 
+    def strategies(repeats: int, progress=gr.Progress()):
+        """Time every way of switching adapters on fresh copies of the embedded model (never on the live pipeline)."""
+        progress(0, desc="measuring reload, set_adapters, diffusers hotswap and the engine's swap")
+        report = bench.run("tiny", int(repeats), device="cpu")
+        floor = report["results"]["floor_per_tensor_ms"]
+        rows = [[k.removesuffix("_ms"), round(v, 3), round(v / floor, 2)] for k, v in report["results"].items()]
+        return bench.make_figure(report), rows, report
+
     with gr.Blocks(title="LoRA hotswap") as demo:
         gr.Markdown(
             "# LoRA hotswap\n"
@@ -216,6 +224,23 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
                     weight_name = gr.Textbox("", label="weight name (optional)", placeholder="lora.safetensors")
                 add = gr.Button("Add", elem_id="add")
                 status = gr.Markdown(label="status", elem_id="add-status")
+
+        with gr.Tab("Strategies"):
+            gr.Markdown(
+                "The seed question's options side by side, measured now on fresh copies of the embedded tiny model "
+                "(the live pipeline is not touched): reload per request, every adapter resident with "
+                "`set_adapters` (forward cost against the number resident), diffusers' `hotswap=True`, and this "
+                "engine's in-place swap, against the floor of copying the same bytes. "
+                "`python -m lora_manager bench --scale sdxl` runs the same at SDXL size."
+            )
+            with gr.Row():
+                repeats = gr.Slider(2, 20, 3, step=1, label="repeats (median of)")
+                measure = gr.Button("Measure", variant="primary", elem_id="measure")
+            plot = gr.Plot(label="switch latency and resident-adapter cost")
+            table = gr.Dataframe(headers=["strategy", "ms", "x floor"], label="median ms per switch")
+            with gr.Accordion("Full report (JSON)", open=False):
+                report = gr.JSON()
+            measure.click(strategies, repeats, [plot, table, report], api_name="strategies")
 
         gallery.select(select, strength, [adapter_id, strength, details], api_visibility="private")
         (run.click(prepare, [prompt, adapter_id, add_trigger, seed, randomize], [sent_prompt, seed],

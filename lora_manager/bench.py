@@ -353,14 +353,12 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_plot(report: dict, path: Path) -> None:
-    """Swap latencies side by side (log scale), and what resident adapters cost as N grows."""
-    import matplotlib
+def make_figure(report: dict):
+    """Swap latencies side by side (log scale), and what resident adapters cost as N grows (a matplotlib Figure)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [1.4, 1]})
+    fig = Figure(figsize=(14, 5.5))
+    bars, lines = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.4, 1]})
     items = sorted(report["results"].items(), key=lambda kv: kv[1])
     colors = ["tab:green" if k.startswith("engine") else "tab:gray" if k.startswith("floor") else "tab:orange"
               for k, _ in items]
@@ -387,8 +385,11 @@ def write_plot(report: dict, path: Path) -> None:
     lines.set_ylim(bottom=0)
     lines.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def write_plot(report: dict, path: Path) -> None:
+    make_figure(report).savefig(path, dpi=110)
 
 
 def main(args: argparse.Namespace) -> None:

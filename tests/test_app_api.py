@@ -151,3 +151,12 @@ def test_concurrent_api_requests_each_get_their_own_adapter(client):
     together = [_digest(job.result(timeout=300)[0]) for job in pending]
     alone = [_digest(client.predict(PROMPT, a, 0.9, s, 4, api_name="/generate")[0]) for a, s in jobs]
     assert together == alone
+
+
+def test_strategies_tab_measures_every_option(client):
+    _, table, report = client.predict(2, api_name="/strategies")
+    results = report["results"]
+    for key in ("floor_per_tensor_ms", "engine_swap_ms", "diffusers_hotswap_ms", "delete_load_ms", "load_from_disk_ms"):
+        assert results[key] > 0, key
+    assert report["check"]["ok"] and len(report["resident"]["forward_ms"]) == 4
+    assert {row[0] for row in table["data"]} >= {"engine_swap", "diffusers_hotswap"}
