@@ -99,8 +99,11 @@ from transformers.utils import logging as transformers_logging
 diffusers_logging.set_verbosity(logging.CRITICAL)  # a failed hotswap logs every key of the model; we print the errors ourselves
 diffusers_logging.disable_progress_bar()
 transformers_logging.disable_progress_bar()
+# One intra-op thread: this model's ops are too small to gain from more, and on a shared CPU a second thread
+# waiting for a busy core stalls every op (we saw 40x slower generations with 2 threads beside other jobs).
+torch.set_num_threads(1)
 print(f"torch {torch.__version__} | diffusers {diffusers.__version__} | peft {peft.__version__} | "
-      f"{torch.get_num_threads()} CPU threads")
+      f"{torch.get_num_threads()} CPU thread")
 """),
     code(r"""
 PRESET = ROOT / "lora_manager" / "presets" / "tiny"
