@@ -54,8 +54,19 @@ float into a tensor. A LoRA of another rank or alpha then only changes *values*,
 
 It only reaches the UNet/transformer: **text-encoder LoRAs cannot be hotswapped** by diffusers (section 6).
 
-The rest of this notebook answers the rest of the question, with every number measured by this run on a tiny
-embedded model (CPU, offline, a few minutes):
+**The rest of the question, in short**
+
+- *Keep LoRAs in CPU memory and move one to the GPU on demand?* Hold each LoRA as CPU tensors (pinned memory on
+  CUDA) and copy them into the prepared adapter's own tensors. Plain diffusers gets in the way here:
+  `load_lora_weights(state_dict)` drops the LoRA's alpha on SD pipelines, and a rank above `R` swaps the model's
+  old tensors into your cached dict (section 6). `LoraManager`, in this repository, does it safely.
+- *Reload per request, or all resident with `set_adapters`?* The first recreates modules on every request; the
+  second computes every loaded LoRA in every step, even at weight 0 (measured in section 3).
+- *Concurrent requests with different LoRAs?* Keep the adapter with the request, and swap only between
+  generations, never under one in flight (section 7).
+
+The sections below show all of it, with every number measured by this run on a tiny embedded model (CPU,
+offline, a few minutes):
 
 - **2.** plain diffusers, then what `LoraManager` adds
 - **3.** the three options, measured: reload per request, all resident + `set_adapters`, hotswap from CPU memory
@@ -110,7 +121,7 @@ PRESET = ROOT / "lora_manager" / "presets" / "tiny"
 CATALOG = json.loads((PRESET / "catalog.json").read_text())
 GEN = CATALOG["generation"]                     # 64x64, 10 steps, guidance 7.5
 TRIGGER = {a["id"]: a["trigger"] for a in CATALOG["adapters"]}
-PROMPT = "a red circle on a blue background"
+PROMPT = "a white diamond on a green background"
 RESULTS = {}                                    # numbers for the recap at the end
 
 def prompt_for(adapter):                        # the adapter's trigger word brings its style out
@@ -246,16 +257,23 @@ def bench_adapter(name, unet):
 def best(timing):                         # fastest sample of a strategies.Timing, in ms
     return min(timing.samples_ms)
 
-u = fresh_unet()
-SAME = [bench_adapter(n, u) for n in ["stripes", "outline", "dots"]]
-ALL = SAME + [bench_adapter(n, u) for n in ["checker", "frame"]]
+def forward_ms(unets, rounds=8):
+    # Fastest UNet forward of each model, timed in alternation so that other processes on this CPU hit all alike.
+    samples = {k: [] for k in unets}
+    for _ in range(rounds):
+        for k, unet in unets.items():
+            samples[k] += S.timed(lambda i: S.forward(unet, INPUTS), 1, CPU, warmup=0).samples_ms
+    return {k: min(v) for k, v in samples.items()}
+
+base_unet = fresh_unet()
+SAME = [bench_adapter(n, base_unet) for n in ["stripes", "outline", "dots"]]
+ALL = SAME + [bench_adapter(n, base_unet) for n in ["checker", "frame"]]
 g = torch.Generator().manual_seed(0)
 latent = GEN["height"] // pipe.vae_scale_factor
 INPUTS = dict(sample=torch.randn(2, 4, latent, latent, generator=g), timestep=torch.tensor(500),
               encoder_hidden_states=torch.randn(2, pipe.tokenizer.model_max_length,
-                                                u.config.cross_attention_dim, generator=g))
-fwd_base = best(S.timed(lambda i: S.forward(u, INPUTS), 10, CPU))
-print(f"UNet forward without any LoRA: {fwd_base:.1f} ms")
+                                                base_unet.config.cross_attention_dim, generator=g))
+UNETS = {"no LoRA": base_unet}            # every variant below; their forwards are timed together at the end
 """),
     md(r"""
 ### Option 1: `load_lora_weights` per request
@@ -273,14 +291,21 @@ print(f"  of which reading the file          : {best(reload.read_file):6.1f} ms"
 ### Option 2: all LoRAs resident, unused ones at weight 0
 
 `set_adapters(names, [1, 0, 0, ...])` switches fast, but a LoRA at weight 0 is still *computed* in every layer
-of every step. We load up to 10 LoRAs and time the UNet forward as they pile up:
+of every step. We load up to 10 LoRAs, time `set_adapters`, and keep a UNet for each count to time its forward:
 """),
     code(r"""
 COUNTS = (1, 2, 4, 6, 8, 10)
-resident = S.measure_resident(fresh_unet(), ALL, LOADER, COUNTS, repeats=5, inputs=INPUTS)
-fwd_resident = [best(t) for t in resident.forward]
-for n, s_ms, f_ms in zip(COUNTS, resident.set_adapters, fwd_resident):
-    print(f"{n:2d} resident: set_adapters {best(s_ms):5.1f} ms | UNet forward {f_ms:6.1f} ms")
+resident = S.measure_resident(fresh_unet(), ALL, LOADER, COUNTS, repeats=5)
+print("set_adapters:", " | ".join(f"{n} resident {best(t):.1f} ms" for n, t in zip(COUNTS, resident.set_adapters)))
+
+def with_resident(n):                     # n LoRAs loaded, all but the first at weight 0
+    unet = fresh_unet()
+    for i in range(n):
+        S.load_file(unet, LOADER, ALL[i % len(ALL)].path, f"resident{i}")
+    unet.set_adapters([f"resident{i}" for i in range(n)], [1.0] + [0.0] * (n - 1))
+    return unet
+
+UNETS.update({n: with_resident(n) for n in COUNTS})
 """),
     md(r"""
 ### Option 3: hotswap from CPU memory
@@ -293,14 +318,13 @@ as CPU tensors. The floor is a bare `copy_` of the same tensors into the model.
 u_hot = fresh_unet()
 S.prepare_hotswap(u_hot, SAME[0], LOADER, rank=32)
 hot = S.measure_hotswap(u_hot, SAME, LOADER, repeats=6)
-fwd_hot = best(S.timed(lambda i: S.forward(u_hot, INPUTS), 10, CPU))
 
 UNION = {module for comp, module in m.live.keys if comp == "unet"}   # the manager's template modules in the UNet
 u_eng = fresh_unet()
 slot = S.prepare_engine(u_eng, UNION, rank=32)
 eng = S.measure_engine_swap(slot, [a.weights for a in SAME], repeats=12)
 floor = S.measure_floors(slot, [a.weights for a in SAME], repeats=12)
-fwd_eng = best(S.timed(lambda i: S.forward(u_eng, INPUTS), 10, CPU))
+UNETS.update({"diffusers hotswap": u_hot, "LoraManager": u_eng})
 print(f"diffusers hotswap from the file      : {best(hot.from_file):6.1f} ms")
 print(f"diffusers hotswap from a cached dict : {best(hot.from_dict):6.1f} ms")
 print(f"LoraManager swap (CPU tensors)       : {best(eng):6.2f} ms")
@@ -309,22 +333,25 @@ print(f"floor: copy_ tensor by tensor        : {best(floor.per_tensor):6.2f} ms"
     md(r"""
 ### Side by side
 
-Per request = one switch + 10 UNet steps. The manager's forward carries its template (all catalog targets at rank
-32) but computes one LoRA's worth of work however many LoRAs sit in its CPU cache.
+Per request = one switch + 10 UNet steps. All forwards are timed together here. The manager's forward carries its
+template (all catalog targets at rank 32) but computes one LoRA's worth of work however many LoRAs sit in its CPU
+cache.
 """),
     code(r"""
+fwd = forward_ms(UNETS)
+fwd_resident = [fwd[n] for n in COUNTS]
 steps = GEN["num_inference_steps"]
-rows = [("reload per request", best(reload.delete_load), fwd_resident[0]),
-        (f"{COUNTS[-1]} resident + set_adapters", best(resident.set_adapters[-1]), fwd_resident[-1]),
-        ("diffusers hotswap (file)", best(hot.from_file), fwd_hot),
-        ("LoraManager (CPU cache)", best(eng), fwd_eng)]
+rows = [("reload per request", best(reload.delete_load), fwd[1]),
+        (f"{COUNTS[-1]} resident + set_adapters", best(resident.set_adapters[-1]), fwd[COUNTS[-1]]),
+        ("diffusers hotswap (file)", best(hot.from_file), fwd["diffusers hotswap"]),
+        ("LoraManager (CPU cache)", best(eng), fwd["LoraManager"])]
 table(["option", "switch (ms)", "UNet forward (ms)", f"switch + {steps} steps (ms)"],
       [(n, f"{s:.1f}", f"{f:.1f}", f"{s + steps * f:.0f}") for n, s, f in rows])
 
 fig, ax = plt.subplots(figsize=(6.5, 3.6))
 ax.plot(COUNTS, fwd_resident, "o-", label="plain diffusers: N resident, unused at weight 0")
-ax.axhline(fwd_eng, color="tab:green", ls="--", label="LoraManager: any N in CPU memory, one template")
-ax.axhline(fwd_base, color="gray", ls=":", label="base UNet, no LoRA")
+ax.axhline(fwd["LoraManager"], color="tab:green", ls="--", label="LoraManager: any N in CPU memory, one template")
+ax.axhline(fwd["no LoRA"], color="gray", ls=":", label="base UNet, no LoRA")
 ax.set(xlabel="LoRAs loaded (N)", ylabel="UNet forward (ms)", ylim=(0, None), xticks=COUNTS,
        title="Every resident LoRA is computed, even at weight 0")
 ax.legend(fontsize=8, loc="upper left"); fig.tight_layout(); plt.show()
@@ -333,7 +360,8 @@ RESULTS.update({"reload per request, ms": round(best(reload.delete_load), 1),
                 "LoraManager swap, ms": round(best(eng), 2),
                 f"UNet forward with 1 / {COUNTS[-1]} resident, ms":
                     f"{fwd_resident[0]:.1f} / {fwd_resident[-1]:.1f}",
-                "UNet forward with the manager's template, ms": round(fwd_eng, 1)})
+                "UNet forward with the manager's template, ms": round(fwd["LoraManager"], 1)})
+del UNETS, resident, u_hot, u_eng, slot
 """),
     md(r"""
 Reading the table: reloading pays for creating the LoRA modules on every request, keeping all LoRAs resident pays
@@ -388,15 +416,12 @@ padded = {}
 for R in RANKS:
     padded[R] = fresh_unet()
     S.prepare_engine(padded[R], UNION, rank=R).load(SAME[0].weights, 1.0)     # stripes, rank 5
-samples = {R: [] for R in RANKS}
-for _ in range(8):
-    for R, unet in padded.items():
-        samples[R] += S.timed(lambda i: S.forward(unet, INPUTS), 1, CPU).samples_ms
+fwd = forward_ms({"no LoRA": base_unet, **padded}, rounds=12)
+print(f"no LoRA          : UNet forward {fwd['no LoRA']:6.1f} ms")
 for R in RANKS:
     mib = sum(p.nbytes for n, p in padded[R].named_parameters() if "lora_" in n) / 2**20
-    print(f"target_rank {R:3d}: UNet forward {min(samples[R]):6.1f} ms (no LoRA: {fwd_base:.1f}) | "
-          f"LoRA tensors {mib:5.1f} MiB")
-    RESULTS[f"UNet forward at target_rank {R}, ms"] = round(min(samples[R]), 1)
+    print(f"target_rank {R:4d}: UNet forward {fwd[R]:6.1f} ms | LoRA tensors {mib:5.1f} MiB")
+    RESULTS[f"UNet forward at target_rank {R}, ms"] = round(fwd[R], 1)
 del padded
 """),
     md(r"""
@@ -454,7 +479,7 @@ RESULTS["recompile via new name + set_adapters, s"] = round(first, 1)
 del mc   # its pipeline now holds two adapters: this engine is spoiled, never touch a manager's pipe like this
 """),
     md(r"""
-One recompile costs about as much as the first compile, per switch to a new name. Likewise, skipping
+A recompile costs the same order of time as the first compile, and it comes back with every new adapter name. Likewise, skipping
 `enable_lora_hotswap` recompiles on the first alpha change and on every larger rank (section 4 showed why).
 
 ## 6. Pitfalls, reproduced with plain diffusers, then handled
@@ -471,7 +496,8 @@ def fresh_hotswap(first):
     pipe.load_lora_weights(lora(first), adapter_name="style")
 
 factory_pipe = StableDiffusionPipeline.from_pretrained(PRESET / "model", dtype=torch.float32)
-workdir = Path(tempfile.mkdtemp())
+scratch = tempfile.TemporaryDirectory()    # LoRA files written for the demos; removed when the kernel exits
+workdir = Path(scratch.name)
 from lora_factory import write_adapter     # tests/lora_factory.py: real LoRA files with chosen rank and targets
 """),
     md(r"""
@@ -603,6 +629,25 @@ imgs = [m.generate(prompt_for("outline"), adapter="outline", strength=s).image f
 print(f"outline at strength 1.0: scaling {m.live.modules[('unet', PROBE)].scaling.item():.3f} (8/16 x 1.0)")
 show(imgs, [f"outline\nstrength {s}" for s in strengths])
 """),
+    md(r"""
+### 6.6 A LoRA cached as a state dict loses its alpha
+
+The natural way to "keep LoRAs in CPU memory" with plain diffusers is to keep their state dicts. But
+`load_lora_weights(dict)` reads no metadata, so on SD pipelines the LoRA's alpha is gone and its scaling falls
+back to 1.0:
+"""),
+    code(r"""
+pipe.unload_lora_weights()
+cached_outline = StableDiffusionPipeline.lora_state_dict(lora("outline"))[0]    # rank 16, alpha 8 in the file
+pipe.load_lora_weights(lora("outline"), adapter_name="from_file")
+pipe.load_lora_weights(cached_outline, adapter_name="from_dict")
+print(f"scaling from the file: {float(probe().scaling['from_file'])} | "
+      f"from the cached dict: {float(probe().scaling['from_dict'])} <- alpha lost")
+"""),
+    md(r"""
+The manager reads each file once, metadata included, and keeps alpha with the tensors: its `outline` scaling in
+6.5 was 8/16.
+"""),
     # ---- 7. concurrency ----------------------------------------------------------------------------------------------
     md(r"""
 ## 7. Concurrent requests, each with its own adapter
@@ -634,7 +679,7 @@ RESULTS["concurrent requests bit-identical to solo"] = f"{sum(same)}/{len(same)}
 """),
     md(r"""
 For throughput, `LoraManager(..., max_batch=4)` also runs queued requests with the same adapter, strength and
-settings as one batched pipeline call, and `lora_manager.loadtest.main()` compares this engine with a naive
+settings as one batched pipeline call, and `python -m lora_manager loadtest` compares this engine with a naive
 "switch on arrival" server and with reload-per-request under concurrent load.
 
 ## 8. Moving to a GPU Space
