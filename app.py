@@ -86,7 +86,8 @@ def info_markdown(info: dict | None) -> str:
     held = ", ".join(f"`{k}` {_mb(v)}" for k, v in cache.get("adapters", {}).items()) or "none"
     return "  \n".join([
         f"**adapter:** {info['adapter'] or 'none'} at strength {info['strength']:g} · seed {info['seed']}",
-        f"**prompt:** {info['prompt']}",
+        f"**prompt:** {info['prompt']}"
+        + (" *(longer than the text encoder reads: the end was cut off)*" if info.get("prompt_truncated") else ""),
         f"**swap:** {info['swap_ms']:.1f} ms · **generation:** {info['generate_ms'] / 1e3:.2f} s "
         f"({info.get('num_inference_steps', '?')} steps)",
         f"**compiled:** {'yes' if info['compiled'] else 'no (eager)'} · **recompiles: {info['recompiles']}** since start",

@@ -231,6 +231,7 @@ class LoraManager:
                     "strength": r.strength,
                     "seed": r.seed,
                     "prompt": r.prompt,
+                    "prompt_truncated": self._truncated(r.prompt),
                     **shared,
                     "swap_ms": swap_ms,
                     "generate_ms": generate_ms,
@@ -316,6 +317,11 @@ class LoraManager:
             format=weights.format,
         )
         return reg, weights
+
+    def _truncated(self, prompt: str) -> bool:
+        """Whether the tokenizer cuts the prompt (CLIP keeps 77 tokens; the tiny model 12): the user is told."""
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        return tokenizer is not None and len(tokenizer(prompt).input_ids) > tokenizer.model_max_length
 
     def _require(self, adapter_id: str) -> _Registered:
         reg = self._registered.get(adapter_id)

@@ -119,3 +119,9 @@ def test_compiled_swaps_never_recompile(compiled_manager, references, monkeypatc
     stats = compiled_manager.stats()
     assert stats["compiled"] and stats["recompiles"] == 0 and stats["compile_s"] > 0
     assert checked >= 6
+
+
+def test_a_prompt_longer_than_the_tokenizer_reads_is_flagged(manager):
+    long = " ".join(["a red circle on a blue background"] * 4)
+    assert manager.generate(long, steps=1).info["prompt_truncated"] is True
+    assert manager.generate(PROMPT, steps=1).info["prompt_truncated"] is False

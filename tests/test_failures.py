@@ -63,6 +63,10 @@ def _bad_files(pipe, base, folder):
             rewrite(base, f / "lokr.safetensors", lambda t, m: t.update({"lora_unet_x.lokr_w1": torch.ones(2, 2)})),
             AdapterFormatError, "lokr adapter",
         ),
+        "LoHa": (
+            rewrite(base, f / "loha.safetensors", lambda t, m: t.update({"lora_unet_x.hada_w1_a": torch.ones(2, 2)})),
+            AdapterFormatError, "loha adapter",
+        ),
         "LoRA bias": (
             rewrite(base, f / "bias.safetensors", lambda t, m: t.update({
                 _first(t, "to_q.lora_B").replace(".weight", ".bias"): torch.zeros(t[_first(t, "to_q.lora_B")].shape[0])})),
@@ -107,7 +111,7 @@ def live_output(compiled_manager):
 
 CASES = [
     "target outside the template", "rank above target_rank", "lora_A with the wrong input size",
-    "a module this base model lacks", "NaN values", "Inf values", "DoRA", "LoKr", "LoRA bias", "truncated file",
+    "a module this base model lacks", "NaN values", "Inf values", "DoRA", "LoKr", "LoHa", "LoRA bias", "truncated file",
     "corrupt header", "empty file", "pickle file", "missing file",
 ]
 
@@ -153,3 +157,20 @@ def test_dropout_in_the_config_is_served_like_plain_diffusers(manager, adapter_d
     path = rewrite(adapter_dir / "r6_te.safetensors", tmp_path / "dropout.safetensors", add_dropout)
     manager.register("dropout", str(path))
     assert_same_image(as_float(manager, "dropout"), reference(path))
+
+
+def test_resident_memory_stays_flat_over_1000_swaps(manager):
+    """No swap allocates: plans are built once per adapter and every write lands in the template's own tensors."""
+    def rss() -> int:  # current resident pages (Linux /proc), not the peak that `resource` reports
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1])
+
+    cycle = ["r4_attn", "r7_conv", None, "r16_half", "r6_te", "r4_kohya_te"]
+    with manager._lock:
+        for i in range(120):  # warm-up: every plan built, allocator settled
+            manager._activate(cycle[i % len(cycle)], 1.0)
+        before = rss()
+        for i in range(1000):
+            manager._activate(cycle[i % len(cycle)], 0.5 + (i % 3) / 2)
+        after = rss()
+    assert after <= before * 1.05, f"resident pages grew from {before} to {after}"
