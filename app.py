@@ -1,11 +1,12 @@
-"""Gradio Space for lora_manager: one pipeline, many LoRAs, one adapter per request, hotswapped without recompiling.
+"""Gradio Space for lora_manager: one pipeline, many LoRAs chosen per request, hotswapped without recompiling.
 
     python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
-                  [--host 127.0.0.1] [--port 7860] [--share]
+                  [--slots K] [--host 127.0.0.1] [--port 7860] [--share]
 
-Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), GRADIO_SERVER_NAME, GRADIO_SERVER_PORT.
-The UI and the API share one function per action: `/generate` (prompt, adapter_id, strength, seed, steps) -> (image,
-info) and `/add_adapter` (repo_id, weight_name) -> status. All logic lives in lora_manager; this file only wires it.
+Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, GRADIO_SERVER_NAME,
+GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt, adapter, strength, seed,
+steps) -> (image, info), where adapter is '' (none), an id, or a list of ids or [id, strength] pairs (up to K), and
+`/add_adapter` (repo_id, weight_name) -> status. All logic lives in lora_manager; this file only wires it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ def _details(a: AdapterInfo | None) -> str:
     return "  \n".join(lines)
 
 
+def _adapters_text(info: dict) -> str:
+    adapter, strength = info["adapter"], info["strength"]
+    if not adapter:
+        return "none"
+    if isinstance(adapter, list):
+        return " + ".join(f"{a} at strength {s:g}" for a, s in zip(adapter, strength))
+    return f"{adapter} at strength {strength:g}"
+
+
 def info_markdown(info: dict | None) -> str:
     """The human view of the info dict that /generate returns."""
     if not info:
@@ -85,7 +95,7 @@ def info_markdown(info: dict | None) -> str:
     cache = info.get("cpu_cache", {})
     held = ", ".join(f"`{k}` {_mb(v)}" for k, v in cache.get("adapters", {}).items()) or "none"
     return "  \n".join([
-        f"**adapter:** {info['adapter'] or 'none'} at strength {info['strength']:g} · seed {info['seed']}",
+        f"**adapter:** {_adapters_text(info)} · seed {info['seed']}",
         f"**prompt:** {info['prompt']}"
         + (" *(longer than the text encoder reads: the end was cut off)*" if info.get("prompt_truncated") else ""),
         f"**swap:** {info['swap_ms']:.1f} ms · **generation:** {info['generate_ms'] / 1e3:.2f} s "
@@ -114,6 +124,7 @@ def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None)
 def build_demo(manager: LoraManager) -> gr.Blocks:
     """The Blocks app over `manager`; the caller queues and launches it."""
     defaults = manager.generation_defaults
+    combine = len(manager.slots) > 1
     local = Path(manager.base_model).is_absolute()  # a preset's own folder: its name says more than the path
     model = f"{manager.catalog.name} ({Path(manager.base_model).name})" if local else manager.base_model
 
@@ -126,8 +137,9 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
         return items
 
     @gpu
-    def generate(prompt: str, adapter_id: str, strength: float, seed: int, steps: int, progress=gr.Progress()):
-        """Generate one image with `adapter_id` ('' for none) at `strength`; returns the image and its info."""
+    def generate(prompt: str, adapter, strength: float, seed: int, steps: int, progress=gr.Progress()):
+        """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
+        hotswap slot); `strength` applies to entries without their own. Returns the image and its info."""
         total = int(steps or defaults.get("num_inference_steps", 1))
 
         def on_step(pipe, step, timestep, kwargs):
@@ -136,7 +148,7 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
 
         progress((0, total), desc="swapping adapter", unit="steps")
         try:
-            result = manager.generate(prompt or "", adapter=adapter_id or None, strength=float(strength),
+            result = manager.generate(prompt or "", adapter=adapter or None, strength=float(strength),
                                       seed=int(seed), steps=int(steps) if steps else None,
                                       callback_on_step_end=on_step)
         except LoraManagerError as e:
@@ -158,15 +170,25 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
             return f"**Refused:** {e}"
         return f"**Added.** {_details(info)}  \nPick it in the gallery above."
 
-    def prepare(prompt: str, adapter_id: str, add_trigger: bool, seed, randomize: bool):
-        """UI only: the prompt actually sent (trigger appended) and the seed (fresh when randomize is on)."""
-        try:
-            trigger = manager.spec(adapter_id).trigger if adapter_id and add_trigger else ""
-        except LoraManagerError:  # unknown id: /generate reports it
-            trigger = ""
-        if trigger and trigger not in prompt:
-            prompt = f"{prompt}, {trigger}" if prompt.strip() else trigger
-        return prompt, random.randint(0, SEED_MAX) if randomize else int(seed or 0)
+    def prepare(prompt: str, adapter_id: str, strength: float, add_trigger: bool, seed, randomize: bool, *extra):
+        """UI only: the adapters sent ([id, strength] per filled slot), the prompt actually sent (their triggers
+        appended) and the seed (fresh when randomize is on). `extra` holds the combine rows: id, strength, ..."""
+        mix = [[adapter_id, strength]] + [[i, s] for i, s in zip(extra[::2], extra[1::2])]
+        mix = [[i, float(s)] for i, s in mix if i]
+        for i, _ in mix if add_trigger else ():
+            try:
+                trigger = manager.spec(i).trigger
+            except LoraManagerError:  # unknown id: /generate reports it
+                trigger = ""
+            if trigger and trigger not in prompt:
+                prompt = f"{prompt}, {trigger}" if prompt.strip() else trigger
+        return mix, prompt, random.randint(0, SEED_MAX) if randomize else int(seed or 0)
+
+    def adapter_choices() -> list[tuple[str, str]]:
+        return [("none", "")] + [(a.spec.display_name, a.id) for a in manager.adapters()]
+
+    def refresh_choices():
+        return [gr.Dropdown(choices=adapter_choices()) for _ in extra[::2]]
 
     def select(strength: float, evt: gr.SelectData):
         adapters = manager.adapters()
@@ -187,7 +209,9 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
             f"One `{model}` pipeline serves every LoRA below. Each request carries its own adapter "
             "and strength; the engine copies that adapter's weights in place into a fixed-rank template "
             f"(rank {manager.target_rank}), so the model is never reloaded and a compiled model is never recompiled: "
-            "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache.\n\n"
+            "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache."
+            + (f" Up to {len(manager.slots)} LoRAs combine in one request (one hotswap slot each)." if combine else "")
+            + "\n\n"
             f"*{manager.catalog.description}*\n\n"
             "> On ZeroGPU Spaces torch.compile is unavailable: the swap runs eagerly there (compiled: no)."
         )
@@ -202,6 +226,14 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
                         adapter_id = gr.Textbox("", label="adapter_id", placeholder="(none)", interactive=False,
                                                 scale=1, elem_id="adapter-id")
                         details = gr.Markdown(_details(None), elem_id="adapter-details")
+                    extra = []  # (adapter, strength) per further slot
+                    with gr.Accordion(f"Combine LoRAs (up to {len(manager.slots)})", open=False, visible=combine,
+                                      elem_id="combine"):
+                        for k in range(2, len(manager.slots) + 1):
+                            with gr.Row():
+                                extra.append(gr.Dropdown(adapter_choices(), value="", label=f"adapter {k}",
+                                                         elem_id=f"adapter-{k}"))
+                                extra.append(gr.Slider(0, 2, 1.0, step=0.05, label=f"strength {k}"))
                     prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2,
                                         elem_id="prompt")
                     add_trigger = gr.Checkbox(True, label="add trigger words")
@@ -219,6 +251,7 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
                     with gr.Accordion("Full info (JSON)", open=False):
                         info = gr.JSON(label="info")
             sent_prompt = gr.Textbox(visible=False)
+            sent_adapters = gr.JSON(visible=False)  # what /generate receives: [[id, strength], ...] per filled slot
             with gr.Accordion("Add a LoRA from the Hub", open=False, elem_id="add-box"):
                 with gr.Row():
                     repo_id = gr.Textbox("", label="Hub repo id", placeholder="owner/name", elem_id="repo-id")
@@ -244,13 +277,15 @@ def build_demo(manager: LoraManager) -> gr.Blocks:
             measure.click(strategies, repeats, [plot, table, report], api_name="strategies")
 
         gallery.select(select, strength, [adapter_id, strength, details], api_visibility="private")
-        (run.click(prepare, [prompt, adapter_id, add_trigger, seed, randomize], [sent_prompt, seed],
-                   api_visibility="private", queue=False)
-            .then(generate, [sent_prompt, adapter_id, strength, seed, steps], [image, info], api_name="generate",
+        (run.click(prepare, [prompt, adapter_id, strength, add_trigger, seed, randomize, *extra],
+                   [sent_adapters, sent_prompt, seed], api_visibility="private", queue=False)
+            .then(generate, [sent_prompt, sent_adapters, strength, seed, steps], [image, info], api_name="generate",
                   concurrency_limit=GENERATE_CONCURRENCY)
             .then(info_markdown, info, panel, api_visibility="private", queue=False))
-        (add.click(add_adapter, [repo_id, weight_name], status, api_name="add_adapter")
-            .then(gallery_items, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
+        added = (add.click(add_adapter, [repo_id, weight_name], status, api_name="add_adapter")
+                 .then(gallery_items, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
+        if extra:
+            added.then(refresh_choices, None, extra[::2], api_visibility="private", queue=False, show_progress="hidden")
     return demo
 
 
@@ -270,6 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)")
     p.add_argument("--target-rank", type=int, default=None, help="hotswap template rank (default: largest in catalog)")
     p.add_argument("--cache-mb", type=int, default=None, help="CPU adapter cache budget in MiB (default 4096)")
+    p.add_argument("--slots", type=int, default=int(os.environ.get("LORA_SLOTS", 2)),
+                   help="hotswap slots: LoRAs one request can combine (env LORA_SLOTS; default 2)")
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     p.add_argument("--share", action="store_true")
@@ -278,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    kwargs = {"target_rank": args.target_rank}
+    kwargs = {"target_rank": args.target_rank, "slots": args.slots}
     if args.cache_mb is not None:
         kwargs["cache_bytes"] = args.cache_mb * 2**20
     compile_ = False if ZERO_GPU else args.compile

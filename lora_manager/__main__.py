@@ -1,4 +1,4 @@
-"""Command line: `python -m lora_manager {generate,inspect,bench,loadtest} ...`."""
+"""Command line: `python -m lora_manager {generate,inspect,bench,loadtest,serve,servebench} ...`."""
 
 from __future__ import annotations
 
@@ -17,10 +17,20 @@ PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline
 def cmd_generate(args: argparse.Namespace) -> None:
     from .engine import LoraManager
 
-    m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank)
-    result = m.generate(args.prompt, adapter=args.adapter, strength=args.strength, seed=args.seed, steps=args.steps)
+    mix = [_adapter_arg(a, args.strength) for a in args.adapter]
+    m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank, slots=max(1, len(mix)))
+    result = m.generate(args.prompt, adapter=mix, strength=args.strength, seed=args.seed, steps=args.steps)
     result.image.save(args.out)
     print(json.dumps({**result.info, "out": str(args.out)}, indent=2))
+
+
+def _adapter_arg(text: str, strength: float) -> tuple[str, float]:
+    """`id` or `id:strength` (a LoRA combined with others at its own strength)."""
+    adapter_id, _, value = text.partition(":")
+    try:
+        return adapter_id, float(value) if value else strength
+    except ValueError:
+        raise SystemExit(f"--adapter {text!r}: expected ID or ID:STRENGTH") from None
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -49,6 +59,18 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     loadtest.main(args.clients, args.requests, args.seed, args.json, args.preset)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from . import serve  # needs `pip install "ray[serve]"`
+
+    serve.main(args)
+
+
+def cmd_servebench(args: argparse.Namespace) -> None:
+    from . import serve_bench
+
+    serve_bench.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lora_manager", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate one image to a PNG")
     gen.add_argument("--preset", default="tiny", help="preset name or catalog .json path")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--adapter", default=None, help="adapter id from the catalog (default: none)")
+    gen.add_argument("--adapter", action="append", default=[], metavar="ID[:STRENGTH]",
+                     help="adapter id from the catalog (default: none); repeat it to combine LoRAs, one slot each")
     gen.add_argument("--strength", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--steps", type=int, default=None)
@@ -91,6 +114,28 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--preset", default="tiny")
     load.add_argument("--json", type=Path, default=None)
     load.set_defaults(func=cmd_loadtest)
+
+    srv = sub.add_parser("serve", help="Ray Serve: N replicas behind POST /generate, routed by adapter")
+    srv.add_argument("--replicas", type=int, default=2)
+    srv.add_argument("--preset", default="tiny")
+    srv.add_argument("--routing", choices=("affinity", "default"), default="affinity",
+                     help="affinity: each adapter to its home replica; default: Ray Serve's multiplexed routing")
+    srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    srv.add_argument("--slots", type=int, default=1)
+    srv.add_argument("--cpus-per-replica", type=float, default=1.0)
+    srv.add_argument("--address", default=None, help="Ray cluster address (default: start Ray locally)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.set_defaults(func=cmd_serve)
+
+    sbn = sub.add_parser("servebench", help="Ray Serve on a local Ray: default vs affinity routing, a replica killed")
+    sbn.add_argument("--preset", default="tiny")
+    sbn.add_argument("--replicas", type=int, default=2, help="per app (two apps run side by side)")
+    sbn.add_argument("--requests", type=int, default=16)
+    sbn.add_argument("--clients", type=int, default=2)
+    sbn.add_argument("--seed", type=int, default=0)
+    sbn.add_argument("--json", type=Path, default=None)
+    sbn.set_defaults(func=cmd_servebench)
 
     args = parser.parse_args(argv)
     try:

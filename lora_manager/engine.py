@@ -18,6 +18,7 @@ from .adapter_file import AdapterWeights, read_adapter
 from .catalog import load_preset, resolve_base_model
 from .errors import LoraManagerError, RequestError, UnknownAdapterError
 from .scheduler import Request, Scheduler
+from .slots import Mix, assign_slots, normalize_mix
 from .sources import resolve
 from .store import AdapterStore
 from .specs import AdapterInfo, AdapterSpec, Catalog, Result
@@ -46,7 +47,10 @@ class _Registered:
 
 
 class LoraManager:
-    """Serves a diffusers pipeline with many LoRAs: one adapter per request, swapped in place, never recompiled."""
+    """Serves a diffusers pipeline with many LoRAs: adapters chosen per request, swapped in place, never recompiled.
+
+    `slots=K` lets one request combine up to K adapters, each at its own strength (K templates, swapped one by one).
+    """
 
     def __init__(
         self,
@@ -59,7 +63,10 @@ class LoraManager:
         compile_kwargs: dict[str, Any] | None = None,
         max_queue: int = 64,
         max_batch: int = 1,
+        slots: int = 1,
     ):
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}.")
         self.pipe = pipe
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
         self._root = Path(catalog_root) if catalog_root else None
@@ -72,11 +79,11 @@ class LoraManager:
         self.denoiser_name = "transformer" if "transformer" in self.components else "unet"
         self.dtype = self.components[self.denoiser_name].dtype
         self.store = AdapterStore(
-            cache_bytes, pin_memory=pipe.device.type == "cuda", on_evict=lambda _, w: self.live.forget(w)
+            cache_bytes, pin_memory=pipe.device.type == "cuda", on_evict=lambda _, w: self._forget(w)
         )
         self._registered: dict[str, _Registered] = {}
         self.errors: dict[str, str] = {}  # catalog adapters refused at start-up, with their reason
-        self._active: str | None = None
+        self._live: list[str | None] = [None] * slots  # the adapter id each slot holds
         self._swap_ms: list[float] = []
         self.compile_s: float | None = None
         self._graphs_after_compile: int | None = None
@@ -97,11 +104,13 @@ class LoraManager:
                 )
                 del staged[adapter_id]
         keys = set().union(*(reg.keys for reg, _ in staged.values())) or self._default_keys()
-        self.live: LiveSlot = prepare_template(pipe, self.components, keys, self.target_rank)
+        self.slots: list[LiveSlot] = prepare_template(pipe, self.components, keys, self.target_rank, slots)
         for adapter_id, (reg, weights) in staged.items():
             self._registered[adapter_id] = reg
             self.store.put(adapter_id, weights)
-        self.scheduler = Scheduler(self._run_batch, lambda: self._active, max_queue=max_queue, max_batch=max_batch)
+        self.scheduler = Scheduler(
+            self._run_batch, lambda: frozenset(filter(None, self._live)), max_queue=max_queue, max_batch=max_batch
+        )
         self.compiled = compile
         if compile:
             compile_denoiser(self.components[self.denoiser_name], **(compile_kwargs or {}))
@@ -142,7 +151,7 @@ class LoraManager:
         known = self._registered.get(adapter_id)
         if known is not None and (known.spec.source, known.spec.weight_name) != (source, weight_name):
             raise LoraManagerError(f"Adapter id {adapter_id!r} is already used for {known.spec.source!r}.", adapter_id)
-        reg, weights = self._read(spec, allow_local, template=self.live.keys, target_rank=self.target_rank)
+        reg, weights = self._read(spec, allow_local, template=self.slots[0].keys, target_rank=self.target_rank)
         with self._lock:
             self.store.put(adapter_id, weights)
             self._registered[adapter_id] = reg
@@ -177,42 +186,46 @@ class LoraManager:
     def generate(
         self,
         prompt: str,
-        adapter: str | None = None,
+        adapter: str | list | None = None,
         strength: float = 1.0,
         seed: int = 0,
         steps: int | None = None,
         **pipe_kwargs,
     ) -> Result:
-        """Generate one image with `adapter` at `strength`. Safe from many threads: requests queue in the scheduler,
-        which swaps only between generations and groups requests by adapter."""
+        """Generate one image with `adapter` (an id, None, or up to `slots` ids or (id, strength) pairs) at
+        `strength`. Safe from many threads: requests queue in the scheduler, which swaps only between generations
+        and groups requests by adapter."""
         return self.submit(prompt, adapter, strength, seed, steps, **pipe_kwargs).result()
 
     def submit(
         self,
         prompt: str,
-        adapter: str | None = None,
+        adapter: str | list | None = None,
         strength: float = 1.0,
         seed: int = 0,
         steps: int | None = None,
         **pipe_kwargs,
     ) -> Future:
         """Queue a request and return a Future of its Result; raises QueueFullError when the queue is full."""
-        adapter = adapter or None
         _check_range("strength", strength)
+        mix = normalize_mix(adapter, strength, len(self.slots))
+        for _, s in mix:
+            _check_range("strength", s)
         _check_range("seed", seed)
         params = {**self.generation_defaults, **pipe_kwargs}
         if steps is not None:
             _check_range("steps", steps)
             params["num_inference_steps"] = int(steps)
-        if adapter is not None:
-            self._require(adapter)
-        return self.scheduler.submit(Request(prompt, adapter, float(strength), int(seed), params))
+        for adapter_id, _ in mix:
+            self._require(adapter_id)
+        mix = tuple((i, float(s)) for i, s in mix)
+        return self.scheduler.submit(Request(prompt, mix, int(seed), params))
 
     def _run_batch(self, requests: list[Request]) -> list[Result]:
         """Run same-adapter requests as one pipeline call (the scheduler's worker calls this, one batch at a time)."""
         first = requests[0]
         with self._lock:
-            swap_ms = self._activate(first.adapter, first.strength)
+            swap_ms = self._activate(first.adapters)
             generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
             prompts = [r.prompt for r in requests]
             single = len(requests) == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
@@ -227,8 +240,7 @@ class LoraManager:
             Result(
                 image=image,
                 info={
-                    "adapter": r.adapter,
-                    "strength": r.strength,
+                    **_describe(r.adapters),
                     "seed": r.seed,
                     "prompt": r.prompt,
                     "prompt_truncated": self._truncated(r.prompt),
@@ -247,7 +259,7 @@ class LoraManager:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "active": self._active,
+                "live": list(self._live),
                 "swaps": len(self._swap_ms),
                 "swap_ms_last": self._swap_ms[-1] if self._swap_ms else None,
                 "swap_ms_median": statistics.median(self._swap_ms) if self._swap_ms else None,
@@ -255,7 +267,8 @@ class LoraManager:
                 "compile_s": self.compile_s,
                 "recompiles": self.recompiles,
                 "target_rank": self.target_rank,
-                "template_modules": len(self.live.modules),
+                "slots": len(self.slots),
+                "template_modules": len(self.slots[0].modules),
                 "cache_entries": len(self.store.entries()),
                 "cache_bytes": self.store.nbytes,
                 "cache_budget_bytes": self.store.budget_bytes,
@@ -276,28 +289,45 @@ class LoraManager:
 
     # ---- internals (callers hold the lock where model state is touched) -------------------------------------------
 
-    def _activate(self, adapter_id: str | None, strength: float) -> float:
-        """Make `adapter_id` live at `strength`. Every check runs before the first weight is written."""
-        if adapter_id == self._active:
-            if adapter_id is not None and strength != self.live.strength:
-                self.live.set_strength(strength)
-            return 0.0
-        weights = None if adapter_id is None else self._weights(adapter_id)
-        ms = self.live.load(weights, strength)
-        if self._active is not None:
-            self.store.unpin(self._active)
-        if adapter_id is not None:
-            self.store.pin(adapter_id)
-        self._active = adapter_id
-        self._swap_ms.append(ms)
+    def _activate(self, mix: Mix) -> float:
+        """Make exactly `mix` live, each adapter at its strength. Every read and check runs before the first write,
+        so a refused adapter leaves every slot as it was."""
+        wanted = dict(mix)
+        targets = assign_slots(self._live, list(wanted))
+        incoming = [a for a in targets if a is not None and a not in self._live]
+        fetched: dict[str, AdapterWeights] = {}
+        try:
+            for adapter_id in incoming:
+                fetched[adapter_id] = self._weights(adapter_id)
+                self.store.pin(adapter_id)  # so fetching the next one cannot evict it
+        except BaseException:
+            for adapter_id in fetched:
+                self.store.unpin(adapter_id)
+            raise
+        ms, swapped = 0.0, False
+        for i, (slot, old, new) in enumerate(zip(self.slots, self._live, targets)):
+            if new == old:
+                if new is not None and wanted[new] != slot.strength:
+                    slot.set_strength(wanted[new])
+                continue
+            ms += slot.load(fetched.get(new), wanted.get(new, 0.0))
+            if old is not None:
+                self.store.unpin(old)
+            self._live[i], swapped = new, True
+        if swapped:
+            self._swap_ms.append(ms)
         return ms
+
+    def _forget(self, weights: AdapterWeights) -> None:
+        for slot in self.slots:
+            slot.forget(weights)
 
     def _weights(self, adapter_id: str) -> AdapterWeights:
         """From the CPU cache, or re-read from disk (and re-checked: the file may have changed) after an eviction."""
         reg = self._require(adapter_id)
         weights = self.store.get(adapter_id)
         if weights is None:
-            _, weights = self._read(reg.spec, True, template=self.live.keys, target_rank=self.target_rank)
+            _, weights = self._read(reg.spec, True, template=self.slots[0].keys, target_rank=self.target_rank)
             weights = self.store.put(adapter_id, weights)
         return weights
 
@@ -334,7 +364,7 @@ class LoraManager:
 
     def _info(self, adapter_id: str) -> AdapterInfo:
         reg = self._registered[adapter_id]
-        status = "active" if adapter_id == self._active else "cached" if adapter_id in self.store else "evicted"
+        status = "active" if adapter_id in self._live else "cached" if adapter_id in self.store else "evicted"
         return AdapterInfo(
             id=adapter_id,
             source=reg.spec.source,
@@ -359,6 +389,13 @@ class LoraManager:
                   **{k: v for k, v in self.generation_defaults.items() if k != "num_inference_steps"})
         self.compile_s = time.perf_counter() - t0
         self._graphs_after_compile = counters["stats"]["unique_graphs"]
+
+
+def _describe(mix: Mix) -> dict[str, Any]:
+    """`adapter`/`strength` for the info dict: an id and a number for one adapter (None for none), lists for a mix."""
+    if len(mix) <= 1:
+        return {"adapter": mix[0][0] if mix else None, "strength": mix[0][1] if mix else None}
+    return {"adapter": [i for i, _ in mix], "strength": [s for _, s in mix]}
 
 
 def _check_range(name: str, value) -> None:

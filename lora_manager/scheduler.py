@@ -15,23 +15,28 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import QueueFullError
+from .slots import Mix
 
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: the adapter and strength travel with the request, never as global state."""
+    """One generation: its adapters and strengths travel with the request, never as global state."""
 
     prompt: str
-    adapter: str | None
-    strength: float
+    adapters: Mix  # (adapter id, strength) pairs; empty for the base model
     seed: int
     params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def adapter_ids(self) -> frozenset[str]:
+        """What must be live to run this request; the order of slots does not matter."""
+        return frozenset(i for i, _ in self.adapters)
 
     def batch_key(self) -> tuple | None:
         """Requests with equal keys can share one pipeline call; None when params hold callbacks or objects."""
         if not all(isinstance(v, (int, float, str, bool, type(None))) for v in self.params.values()):
             return None
-        return (self.adapter, self.strength, tuple(sorted(self.params.items())))
+        return (tuple(sorted(self.adapters)), tuple(sorted(self.params.items())))
 
 
 @dataclass
@@ -57,14 +62,14 @@ class Scheduler:
     def __init__(
         self,
         run_batch: Callable[[list[Request]], list[Any]],
-        live_adapter: Callable[[], str | None],
+        live_adapters: Callable[[], frozenset[str]],
         max_queue: int = 64,
         max_consecutive: int = 4,
         max_wait_s: float = 30.0,
         max_batch: int = 1,
     ):
         self.run_batch = run_batch
-        self.live_adapter = live_adapter
+        self.live_adapters = live_adapters
         self.max_queue = max_queue
         self.max_consecutive = max_consecutive
         self.max_wait_s = max_wait_s
@@ -103,8 +108,8 @@ class Scheduler:
         """Choose the next group (caller holds the condition): live adapter first, within the fairness bounds."""
         now = time.monotonic()
         oldest = min(self._queue, key=lambda q: q.order)
-        live = self.live_adapter()
-        same = [q for q in self._queue if q.request.adapter == live]
+        live = self.live_adapters()
+        same = [q for q in self._queue if q.request.adapter_ids == live]
         fair = self._streak < self.max_consecutive and now - oldest.enqueued < self.max_wait_s
         head = min(same, key=lambda q: q.order) if same and fair else oldest
         key = head.request.batch_key()
@@ -114,8 +119,8 @@ class Scheduler:
         group = group[: self.max_batch]
         for q in group:
             self._queue.remove(q)
-        self._streak = self._streak + 1 if head.request.adapter == live else 1
-        if head.request.adapter != live:
+        self._streak = self._streak + 1 if head.request.adapter_ids == live else 1
+        if head.request.adapter_ids != live:
             self.stats.adapter_changes += 1
         return group
 

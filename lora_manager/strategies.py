@@ -10,6 +10,7 @@ would corrupt the live template). Timings are milliseconds: the median over `rep
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from .adapter_file import AdapterWeights
-from .swap import SLOT, LiveSlot, compile_denoiser, template_state_dict
+from .swap import LiveSlot, compile_denoiser, slot_names, template_state_dict
 
 NAME = "bench"  # the adapter name the plain-diffusers strategies load under
 Inputs = dict[str, Any]  # keyword arguments of the denoiser call
@@ -91,6 +92,13 @@ class Resident:
 
 
 @dataclass(frozen=True)
+class Slots:
+    counts: tuple[int, ...]
+    base_forward: Timing  # the denoiser without any LoRA layers
+    forward: tuple[Timing, ...]  # denoiser call with K slots, each holding an adapter
+
+
+@dataclass(frozen=True)
 class Compiled:
     compile_s: float  # first compiled call
     swaps: int
@@ -126,10 +134,19 @@ def forward(unet: nn.Module, inputs: Inputs) -> torch.Tensor:
 
 def prepare_engine(unet: nn.Module, modules: set[str], rank: int) -> LiveSlot:
     """The engine's preparation on a bare denoiser: enable hotswap, load the zero template over `modules`."""
+    return prepare_slots(unet, modules, rank, 1)[0]
+
+
+def prepare_slots(unet: nn.Module, modules: set[str], rank: int, slots: int) -> list[LiveSlot]:
+    """As `swap.prepare_template` does on a pipeline: one zero template per slot, all of them active."""
     unet.enable_lora_hotswap(target_rank=rank)
-    sd = template_state_dict({"unet": unet}, {("unet", m) for m in modules}, rank, unet.dtype)
-    unet.load_lora_adapter(sd, prefix="unet", adapter_name=SLOT, low_cpu_mem_usage=False)
-    return LiveSlot({"unet": unet}, rank)
+    names = slot_names(slots)
+    for name in names:
+        sd = template_state_dict({"unet": unet}, {("unet", m) for m in modules}, rank, unet.dtype)
+        unet.load_lora_adapter(sd, prefix="unet", adapter_name=name, low_cpu_mem_usage=False)
+    if slots > 1:
+        unet.set_adapters(names)
+    return [LiveSlot({"unet": unet}, rank, name) for name in names]
 
 
 def measure_engine_swap(slot: LiveSlot, weights: list[AdapterWeights], repeats: int) -> Timing:
@@ -241,6 +258,28 @@ def measure_resident(
         if inputs is not None:
             fwd_ms.append(timed(lambda _: forward(unet, inputs), repeats, device))
     return Resident(tuple(counts), tuple(set_ms), tuple(fwd_ms) if inputs is not None else None)
+
+
+def measure_slots(
+    make_unet: Callable[[], nn.Module],
+    modules: set[str],
+    rank: int,
+    weights: list[AdapterWeights],
+    counts: tuple[int, ...],
+    inputs: Inputs,
+    repeats: int,
+) -> Slots:
+    """Forward time with K hotswap slots, each filled with an adapter: what combining K LoRAs costs per step."""
+    unet = make_unet()
+    base = timed(lambda _: forward(unet, inputs), repeats, device_of(unet))
+    fwd = []
+    for k in counts:
+        del unet  # a fresh denoiser per K (templates are never removed in place); one in memory at a time
+        unet = make_unet()
+        for slot, w in zip(prepare_slots(unet, modules, rank, k), itertools.cycle(weights)):
+            slot.load(w, 1.0)
+        fwd.append(timed(lambda _: forward(unet, inputs), repeats, device_of(unet)))
+    return Slots(tuple(counts), base, tuple(fwd))
 
 
 # ---- compile and checks -------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 Order (each step needs the one before): `enable_lora_hotswap(target_rank=R)` -> first load (a zero template over the
 union of every catalog adapter's modules, at rank R) -> `torch.compile` of the denoiser -> swaps, which only write
 into the template's tensors (`copy_`/`fill_`), so compiled graphs stay valid and nothing recompiles.
+
+With K slots the first load is K zero templates under the names slot0..slotK-1, all made active once before compile;
+each slot is then swapped on its own, so a request can combine up to K adapters with a strength each.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ from torch import nn
 from .adapter_file import AdapterWeights
 from .validate import lora_shapes
 
-SLOT = "slot0"  # the one adapter name the model ever holds; every swap writes into it
+SLOT = "slot0"  # the first (with one slot: the only) adapter name the model ever holds; every swap writes into one
+
+
+def slot_names(slots: int) -> list[str]:
+    return [f"slot{i}" for i in range(slots)]
 
 
 @dataclass(frozen=True)
@@ -41,15 +48,23 @@ def template_state_dict(
     return sd
 
 
-def prepare_template(pipe, components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int) -> LiveSlot:
-    """Steps 1 and 2 of the order: enable hotswap for the denoiser, then load the zero template as the first adapter."""
+def prepare_template(
+    pipe, components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int, slots: int = 1
+) -> list[LiveSlot]:
+    """Steps 1 and 2 of the order: enable hotswap for the denoiser, then load one zero template per slot."""
     pipe.enable_lora_hotswap(target_rank=rank)
     dtype = next(iter(components.values())).dtype
-    # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors (hotswap-facts #10).
-    pipe.load_lora_weights(
-        template_state_dict(components, keys, rank, dtype), adapter_name=SLOT, low_cpu_mem_usage=False
-    )
-    return LiveSlot(components, rank)
+    names = slot_names(slots)
+    for name in names:  # a fresh state dict each time: a load may keep the tensors it is given
+        # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors (hotswap-facts #10).
+        pipe.load_lora_weights(
+            template_state_dict(components, keys, rank, dtype), adapter_name=name, low_cpu_mem_usage=False
+        )
+    if slots > 1:
+        # diffusers activates only the last adapter loaded. set_adapters writes float scalings, so it runs before
+        # LiveSlot turns them into the tensors that swaps write in place (a later set_adapters would recompile).
+        pipe.set_adapters(names)
+    return [LiveSlot(components, rank, name) for name in names]
 
 
 def compile_denoiser(denoiser: nn.Module, **compile_kwargs) -> None:
@@ -73,16 +88,17 @@ class SwapPlan:
 
 
 class LiveSlot:
-    """The template's tensors in the model and which adapter they hold. Only the engine's lock holder calls it."""
+    """One slot's template tensors in the model and which adapter they hold. Only the engine's lock holder calls it."""
 
-    def __init__(self, components: dict[str, nn.Module], rank: int):
+    def __init__(self, components: dict[str, nn.Module], rank: int, name: str = SLOT):
         self.rank = rank
+        self.name = name
         self.modules: dict[tuple[str, str], LiveModule] = {}
         for comp, model in components.items():
-            for name, layer in model.named_modules():
-                if isinstance(layer, LoraLayer) and SLOT in layer.lora_A:
-                    self.modules[(comp, name)] = LiveModule(
-                        A=layer.lora_A[SLOT].weight, B=layer.lora_B[SLOT].weight, scaling=_tensor_scaling(layer)
+            for module_name, layer in model.named_modules():
+                if isinstance(layer, LoraLayer) and name in layer.lora_A:
+                    self.modules[(comp, module_name)] = LiveModule(
+                        A=layer.lora_A[name].weight, B=layer.lora_B[name].weight, scaling=_tensor_scaling(layer, name)
                     )
         self.weights: AdapterWeights | None = None
         self.strength = 0.0
@@ -148,12 +164,12 @@ class LiveSlot:
         return {k: (v.A.clone(), v.B.clone(), float(v.scaling)) for k, v in self.modules.items()}
 
 
-def _tensor_scaling(layer: LoraLayer) -> torch.Tensor:
-    """PEFT keeps scaling as a float unless prepared for hotswap; a tensor lets `fill_` change it in place."""
-    value = layer.scaling[SLOT]
+def _tensor_scaling(layer: LoraLayer, name: str) -> torch.Tensor:
+    """PEFT keeps scaling as a float unless prepared for hotswap; a tensor lets swaps change it in place."""
+    value = layer.scaling[name]
     if not isinstance(value, torch.Tensor):
-        value = torch.tensor(float(value), device=layer.lora_A[SLOT].weight.device)
-        layer.scaling[SLOT] = value
+        value = torch.tensor(float(value), device=layer.lora_A[name].weight.device)
+        layer.scaling[name] = value
     return value
 
 

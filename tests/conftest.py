@@ -64,23 +64,45 @@ def manager(adapter_dir) -> LoraManager:
 
 @pytest.fixture(scope="session")
 def compiled_manager(adapter_dir) -> LoraManager:
-    """One compiled engine for the whole run: inductor takes a minute or two on this CPU."""
-    return LoraManager(load_tiny(), make_catalog(adapter_dir), compile=True)
+    """One compiled engine for the whole run (inductor takes a minute or two on this CPU), with two hotswap slots so
+    one-adapter, two-adapter and no-adapter requests all run through the same compiled graphs."""
+    return LoraManager(load_tiny(), make_catalog(adapter_dir), compile=True, slots=2)
 
 
 def reference(adapter_path: Path | None, strength: float = 1.0, seed: int = 0, prompt: str = PROMPT) -> np.ndarray:
     """What a fresh plain-diffusers pipeline gives with only that adapter loaded by `load_lora_weights`."""
+    return mix_reference([(adapter_path, strength)] if adapter_path is not None else [], seed, prompt)
+
+
+def mix_reference(adapters: list[tuple[Path, float]], seed: int = 0, prompt: str = PROMPT) -> np.ndarray:
+    """Plain diffusers with each adapter loaded normally, combined by `set_adapters(names, strengths)`."""
     pipe = load_tiny()
-    if adapter_path is not None:
-        pipe.load_lora_weights(str(adapter_path.parent), weight_name=adapter_path.name, adapter_name="ref")
-        if strength != 1.0:
-            pipe.set_adapters(["ref"], [strength])
-        # PEFT adds lora_dropout modules in training mode: without eval() plain diffusers applies dropout at inference.
-        pipe.unet.eval()
-        pipe.text_encoder.eval()
+    for i, (path, _) in enumerate(adapters):
+        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=f"ref{i}")
+    if adapters and (len(adapters) > 1 or adapters[0][1] != 1.0):
+        pipe.set_adapters([f"ref{i}" for i in range(len(adapters))], [s for _, s in adapters])
+    # PEFT adds lora_dropout modules in training mode: without eval() plain diffusers applies dropout at inference.
+    pipe.unet.eval()
+    pipe.text_encoder.eval()
     gen = torch.Generator("cpu").manual_seed(seed)
     return pipe(prompt, generator=gen, output_type="np", **GEN).images[0]
 
 
 def as_float(manager: LoraManager, adapter: str | None, strength: float = 1.0, seed: int = 0) -> np.ndarray:
     return manager.generate(PROMPT, adapter=adapter, strength=strength, seed=seed, output_type="np").image
+
+
+def one(adapter: str | None, strength: float) -> tuple:
+    """The engine's request form (a Mix) for a single adapter, for tests that drive `_activate` directly."""
+    return ((adapter, strength),) if adapter else ()
+
+
+def snapshot_slots(manager: LoraManager) -> list[dict]:
+    return [slot.snapshot() for slot in manager.slots]
+
+
+def assert_same_slots(before: list[dict], after: list[dict]) -> None:
+    """Every slot's A, B and scaling bit-identical."""
+    for b, a in zip(before, after, strict=True):
+        assert b.keys() == a.keys()
+        assert all(torch.equal(b[k][0], a[k][0]) and torch.equal(b[k][1], a[k][1]) and b[k][2] == a[k][2] for k in b)

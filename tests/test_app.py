@@ -5,10 +5,11 @@ Leaves a screenshot in test-artifacts/app.png.
 
 from __future__ import annotations
 
+import json
 from urllib.parse import urlparse
 
 import pytest
-from test_app_api import ROOT, adapter_ids, pytestmark, running_app  # noqa: F401 (pytestmark: skip without the preset)
+from test_app_api import CATALOG, ROOT, adapter_ids, pytestmark, running_app  # noqa: F401 (pytestmark: skip without the preset)
 
 playwright = pytest.importorskip("playwright.sync_api")
 CHROMIUM = "/usr/bin/chromium"
@@ -50,10 +51,14 @@ def _select(page, index: int) -> str:
     return adapter_id
 
 
-def _generate(page, adapter_id: str) -> bytes:
+def _name(adapter_id: str) -> str:
+    return next(a["name"] for a in json.loads(CATALOG.read_text())["adapters"] if a["id"] == adapter_id)
+
+
+def _generate(page, adapters: str) -> bytes:
     page.locator("#generate").click()
     panel = page.locator("#info-panel")
-    playwright.expect(panel).to_contain_text(f"adapter: {adapter_id} at strength", timeout=TIMEOUT_MS)
+    playwright.expect(panel).to_contain_text(f"adapter: {adapters}", timeout=TIMEOUT_MS)
     playwright.expect(panel).to_contain_text("recompiles: 0")
     playwright.expect(panel).to_contain_text(" ms")
     src = page.locator("#output-image img").first.get_attribute("src")
@@ -63,12 +68,19 @@ def _generate(page, adapter_id: str) -> bytes:
 def test_generate_swap_and_add(page):
     page.locator("#gallery button.thumbnail-item").nth(2).wait_for()
     first = _select(page, 1)
-    image1 = _generate(page, first)
+    image1 = _generate(page, f"{first} at strength 1 ")
     assert "swap:" in page.locator("#info-panel").inner_text()
 
     second = _select(page, 2)
-    image2 = _generate(page, second)
+    image2 = _generate(page, f"{second} at strength 1 ")
     assert image1 and image2 and image1 != image2
+
+    # Combine: the gallery's adapter in slot 1, the first catalog adapter picked in the "adapter 2" dropdown.
+    page.get_by_text("Combine LoRAs").click()
+    page.locator("#adapter-2 input").click()
+    page.get_by_role("option", name=_name(first), exact=True).click()
+    image3 = _generate(page, f"{second} at strength 1 + {first} at strength 1")
+    assert image3 not in (image1, image2)
 
     page.get_by_text("Add a LoRA from the Hub").click()
     page.locator("#repo-id textarea, #repo-id input").first.fill("not a repo")

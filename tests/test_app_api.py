@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +125,25 @@ def test_generate_errors(client):
         client.predict(PROMPT, "no-such-adapter", 1.0, 0, 2, api_name="/generate")
     with pytest.raises(AppError, match="seed must be between|less than minimum"):  # the UI or the engine
         client.predict(PROMPT, "", 1.0, -1, 2, api_name="/generate")
+
+
+def test_generate_combines_adapters_one_slot_each(client):
+    """The app runs 2 hotswap slots by default: the adapter input also takes a list of [id, strength] pairs."""
+    from gradio_client.exceptions import AppError
+    from PIL import Image
+
+    a, b, c = adapter_ids()[:3]
+    mix, info = client.predict(PROMPT, [[a, 0.7], [b, 1.0]], 1.0, 2, 4, api_name="/generate")
+    assert info["adapter"] == [a, b] and info["strength"] == [0.7, 1.0] and info["recompiles"] == 0
+    parts = [client.predict(PROMPT, x, s, 2, 4, api_name="/generate")[0] for x, s in ((a, 0.7), (b, 1.0))]
+    assert _digest(mix) not in {_digest(p) for p in parts}
+    swapped, _ = client.predict(PROMPT, [[b, 1.0], [a, 0.7]], 1.0, 2, 4, api_name="/generate")  # order is free
+    pixels = [np.asarray(Image.open(x).convert("RGB"), dtype=int) for x in (mix, swapped)]
+    assert np.abs(pixels[0] - pixels[1]).max() <= 1
+    with pytest.raises(AppError, match=f"'{a}' appears twice"):
+        client.predict(PROMPT, [a, a], 1.0, 0, 2, api_name="/generate")
+    with pytest.raises(AppError, match="3 adapters requested but this engine has 2 hotswap slot"):
+        client.predict(PROMPT, [a, b, c], 1.0, 0, 2, api_name="/generate")
 
 
 def test_add_adapter_refusals(client):

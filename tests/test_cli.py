@@ -42,3 +42,14 @@ def test_generate_writes_a_png_with_reproducible_info(tmp_path):
     info = json.loads(out.stdout)
     assert info["adapter"] is None and info["num_inference_steps"] == 4 and info["seed"] == 0
     assert Image.open(png).size == (info["width"], info["height"])
+
+
+def test_generate_combines_adapters_given_twice(tmp_path):
+    png = tmp_path / "mix.png"
+    out = run("generate", "--prompt", "a red circle on a blue background", "--steps", "2", "--out", str(png),
+              "--adapter", "stripes:0.8", "--adapter", "outline")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["adapter"] == ["stripes", "outline"] and info["strength"] == [0.8, 1.0]
+    bad = run("generate", "--prompt", "x", "--steps", "1", "--out", str(png), "--adapter", "stripes:strong")
+    assert bad.returncode != 0 and "ID:STRENGTH" in bad.stderr

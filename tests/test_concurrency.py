@@ -54,24 +54,24 @@ def test_same_adapter_requests_batch_and_equal_their_solo_images(adapter_dir):
 
 
 def _scheduler(order: list, gate: threading.Event, **kw) -> Scheduler:
-    live = {"adapter": None}
+    live = {"adapters": frozenset()}
 
     def run(batch: list[Request]):
         gate.wait()
-        live["adapter"] = batch[0].adapter
-        order.extend(r.adapter for r in batch)
+        live["adapters"] = batch[0].adapter_ids
+        order.extend(r.adapters[0][0] for r in batch)
         return [r.seed for r in batch]
 
-    return Scheduler(run, lambda: live["adapter"], **kw)
+    return Scheduler(run, lambda: live["adapters"], **kw)
 
 
 def test_scheduler_groups_by_adapter_and_never_starves_one():
     order, gate = [], threading.Event()
     s = _scheduler(order, gate, max_consecutive=3)
-    first = s.submit(Request("p", "a", 1.0, 0))
+    first = s.submit(Request("p", (("a", 1.0),), 0))
     time.sleep(0.05)  # the worker now holds `first` at the gate
     arrivals = ["b", "a", "b", "a", "c", "a", "a", "a", "a"]
-    futures = [s.submit(Request("p", x, 1.0, i + 1)) for i, x in enumerate(arrivals)]
+    futures = [s.submit(Request("p", ((x, 1.0),), i + 1)) for i, x in enumerate(arrivals)]
     gate.set()
     assert [f.result(timeout=5) for f in futures] == list(range(1, len(arrivals) + 1))
     first.result(timeout=5)
@@ -89,10 +89,10 @@ def test_scheduler_groups_by_adapter_and_never_starves_one():
 def test_full_queue_answers_busy_at_once():
     order, gate = [], threading.Event()
     s = _scheduler(order, gate, max_queue=2)
-    s.submit(Request("p", "a", 1.0, 0))
+    s.submit(Request("p", (("a", 1.0),), 0))
     time.sleep(0.05)
-    s.submit(Request("p", "a", 1.0, 1))
-    s.submit(Request("p", "b", 1.0, 2))
+    s.submit(Request("p", (("a", 1.0),), 1))
+    s.submit(Request("p", (("b", 1.0),), 2))
     with pytest.raises(QueueFullError, match="Busy: 2 requests are queued .* retry"):
-        s.submit(Request("p", "c", 1.0, 3))
+        s.submit(Request("p", (("c", 1.0),), 3))
     gate.set()

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import as_float
+from conftest import as_float, assert_same_slots, one, snapshot_slots
 from lora_factory import ATTN, rewrite, write_adapter
 
 from lora_manager import (
@@ -18,7 +18,7 @@ from lora_manager import (
     CacheBudgetError,
 )
 
-LIVE = ("r7_conv", 0.8)
+LIVE = ([("r7_conv", 0.8), ("r6_te", 0.5)], 1.0)  # both slots of the compiled engine in use, text encoder too
 
 
 def _first(tensors, fragment):
@@ -121,14 +121,12 @@ def test_refused_adapter_leaves_live_adapter_bit_identical(case, bad, compiled_m
     m = compiled_manager
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     path, error, text = bad[case]
-    snapshot, recompiles = m.live.snapshot(), m.recompiles
+    snapshot, recompiles = snapshot_slots(m), m.recompiles
     with pytest.raises(error, match=text) as info:
         m.register("bad", str(path))
     assert "'bad'" in str(info.value) and info.value.adapter_id == "bad"
     assert "bad" not in {a.id for a in m.adapters()}
-    after = m.live.snapshot()
-    assert all(torch.equal(a, b) for k in snapshot for a, b in zip(snapshot[k][:2], after[k][:2]))
-    assert all(snapshot[k][2] == after[k][2] for k in snapshot)
+    assert_same_slots(snapshot, snapshot_slots(m))
     assert np.array_equal(as_float(m, *LIVE), live_output)  # the next request is served exactly as before
     assert m.recompiles == recompiles == 0
 
@@ -168,9 +166,9 @@ def test_resident_memory_stays_flat_over_1000_swaps(manager):
     cycle = ["r4_attn", "r7_conv", None, "r16_half", "r6_te", "r4_kohya_te"]
     with manager._lock:
         for i in range(120):  # warm-up: every plan built, allocator settled
-            manager._activate(cycle[i % len(cycle)], 1.0)
+            manager._activate(one(cycle[i % len(cycle)], 1.0))
         before = rss()
         for i in range(1000):
-            manager._activate(cycle[i % len(cycle)], 0.5 + (i % 3) / 2)
+            manager._activate(one(cycle[i % len(cycle)], 0.5 + (i % 3) / 2))
         after = rss()
     assert after <= before * 1.05, f"resident pages grew from {before} to {after}"

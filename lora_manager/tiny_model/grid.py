@@ -61,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="PNG path; the catalog is read from its folder")
     args = ap.parse_args()
-    torch.set_num_threads(1)  # see build.THREADS: one thread is fastest on the shared CPU
+    torch.set_num_threads(1)  # one thread is fastest when the CPU is shared (see build --threads)
     make_grid(args.out.parent, args.out)
 
 

@@ -1,0 +1,155 @@
+"""`python -m lora_manager servebench`: the Ray Serve app on a local Ray instance, measured over HTTP.
+
+Two applications run side by side on the same replicas' settings, one with Ray Serve's default multiplexed routing
+and one with `AdapterAffinityRouter`, and get the same mixed-adapter jobs. Every image is compared with its solo
+reference from `LoraManager.generate`; swaps are counted from each answer's `swap_ms`. Then one replica of the
+affinity app is killed while a concurrent load runs: every request must still get exactly one correct answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+from .engine import LoraManager
+from .loadtest import Job, levels, make_jobs, solo_references
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    name: str
+    requests: int
+    answered: int
+    mismatches: int  # answers more than 1 level of 255 away from their solo reference
+    swaps: int  # answers whose replica had to swap adapters first
+    swaps_per_request: float
+    adapter_changes_requested: int  # consecutive jobs (in submission order) whose adapters differ
+    replicas: dict[str, int]  # answers per replica
+    retried: int  # answers that needed more than one attempt (their first replica died)
+    errors: list[str]
+    wall_s: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_first=None) -> LoadReport:
+    """POST every job from `clients` threads; `after_first(n)` runs once, when n answers have arrived."""
+    answers: list[dict | None] = [None] * len(jobs)
+    errors: list[str] = []
+    done, lock = [0], threading.Lock()
+
+    def post(i: int) -> None:
+        job = jobs[i]
+        body = {"prompt": job.prompt, "adapter": job.adapter, "strength": job.strength, "seed": job.seed, "steps": None}
+        try:
+            r = httpx.post(f"{url}/generate", json=body, timeout=TIMEOUT_S)
+            r.raise_for_status()
+            answers[i] = r.json()
+        except httpx.HTTPError as e:
+            errors.append(f"job {i}: {e}")
+        with lock:
+            done[0] += 1
+            now = done[0]
+        if after_first is not None and now == after_first[0]:
+            after_first[1]()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(post, range(len(jobs))))
+    wall = time.perf_counter() - t0
+    ok = [(job, a) for job, a in zip(jobs, answers) if a is not None]
+    images = [Image.open(io.BytesIO(base64.b64decode(a["image_png_base64"]))) for _, a in ok]
+    swaps = sum(a["info"]["swap_ms"] > 0 for _, a in ok)
+    return LoadReport(
+        name=name,
+        requests=len(jobs),
+        answered=len(ok),
+        mismatches=sum(levels(img, refs[job]) > 1 for (job, _), img in zip(ok, images)),
+        swaps=swaps,
+        swaps_per_request=swaps / max(1, len(ok)),
+        adapter_changes_requested=sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:])),
+        replicas=dict(Counter(a["info"]["replica"] for _, a in ok)),
+        retried=sum(a["info"]["attempts"] > 1 for _, a in ok),
+        errors=errors,
+        wall_s=wall,
+    )
+
+
+def kill_one_replica(app: str) -> str:
+    """Kill one replica actor of `app` (Serve starts a new one); returns its actor name."""
+    import ray
+
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(f"SERVE_REPLICA::{app}#LoraReplica#"))
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    return names[0]
+
+
+def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: int = 2, seed: int = 0) -> dict:
+    """Start Ray and both apps, run the loads, shut everything down; returns the report."""
+    import ray
+    from ray import serve
+
+    from .serve import ROUTINGS, build_app
+
+    manager = LoraManager.from_preset(preset, compile=False)
+    ids = [a.id for a in manager.adapters()][:3]
+    jobs = make_jobs([None, *ids], requests, seed)
+    kill_jobs = make_jobs([None, *ids], 2 * requests, seed + 1)
+    refs = solo_references(manager, jobs + kill_jobs)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    # Logical CPUs: Ray schedules by them; the real cores are shared (each replica runs one torch thread).
+    ray.init(num_cpus=2 * replicas + 2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env})
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        t0 = time.perf_counter()
+        for routing in ROUTINGS:
+            serve.run(build_app(preset, replicas, routing, compile=False, threads=1), name=routing,
+                      route_prefix=f"/{routing}")
+        start_s = time.perf_counter() - t0
+        base = f"http://127.0.0.1:{port}"
+        loads = [send(f"{base}/{r}", jobs, clients, refs, f"{r} routing") for r in ROUTINGS]
+        killed = []
+        loads.append(send(f"{base}/affinity", kill_jobs, 2 * clients, refs, "affinity, one replica killed",
+                          after_first=(len(kill_jobs) // 4, lambda: killed.append(kill_one_replica("affinity")))))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return {
+        "preset": preset,
+        "replicas_per_app": replicas,
+        "clients": clients,
+        "apps_ready_s": start_s,
+        "killed": killed,
+        "loads": [asdict(r) for r in loads],
+    }
+
+
+def main(args) -> None:
+    report = run(args.preset, args.replicas, args.requests, args.clients, args.seed)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
