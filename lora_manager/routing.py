@@ -1,14 +1,16 @@
-"""Pure routing policy for many replicas: send each request where its adapter is already live.
+"""Pure routing policy for many replicas: the least busy replica, and among equals the one where the adapter is live.
 
-The router remembers the adapter it last sent to each replica: with one generation at a time per replica and few
-requests in flight, that is the adapter live there (or about to be). A request prefers, in order:
+The router counts the requests it has in flight on each replica and remembers the adapter it last sent to each:
+with one generation at a time per replica, that adapter is the one live there (or about to be). A swap costs
+milliseconds (see the README's performance table) while waiting behind another generation costs a whole one, so
+replicas are ordered by:
 
-1. replicas whose last adapter is its own (no swap);
-2. replicas that have not served anything yet;
-3. the rest, in the adapter's rendezvous-hash order, so an adapter that must move keeps moving to the same place.
+1. requests in flight (fewest first);
+2. whether the request's adapter is live there (no swap), then whether the replica has served nothing yet;
+3. the adapter's rendezvous-hash order, so an adapter that must move keeps moving to the same place, and a replica
+   leaving changes nothing for adapters that did not prefer it.
 
-Each rank is tried only while its replicas have room (Ray Serve's `max_ongoing_requests`), so a busy replica spills
-its adapter over to the next rank rather than queueing without bound.
+Each replica is its own rank: Ray Serve's router tries them in this order and skips a full one.
 """
 
 from __future__ import annotations
@@ -26,10 +28,15 @@ def preference(adapter: str, replicas: Sequence[str]) -> list[str]:
     return sorted(replicas, key=lambda r: _weight(adapter, r), reverse=True)
 
 
-def rank_by_affinity(adapter: str, replicas: Sequence[str], last: Mapping[str, str]) -> list[list[str]]:
-    """Ranks for a request router; `last` maps a replica to the adapter last routed to it ('' is the base model)."""
-    ordered = preference(adapter, replicas)
-    live = [r for r in ordered if r in last and last[r] == adapter]
-    fresh = [r for r in ordered if r not in last]
-    rest = [r for r in ordered if r not in live and r not in fresh]
-    return [rank for rank in (live, fresh, *([r] for r in rest)) if rank]
+def rank_by_affinity(
+    adapter: str, replicas: Sequence[str], last: Mapping[str, str], in_flight: Mapping[str, int]
+) -> list[list[str]]:
+    """Ranks for a request router. `last`: the adapter last routed to each replica ('' is the base model);
+    `in_flight`: requests routed there and not finished."""
+    order = {r: i for i, r in enumerate(preference(adapter, replicas))}
+
+    def key(r: str) -> tuple:
+        affinity = 0 if last.get(r) == adapter and r in last else 1 if r not in last else 2
+        return in_flight.get(r, 0), affinity, order[r]
+
+    return [[r] for r in sorted(replicas, key=key)]

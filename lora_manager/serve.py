@@ -7,19 +7,19 @@
 ids and each replica's CPU store is its adapter cache. Routing:
 
 - `default`: Ray Serve's own multiplexed routing (power of two choices among replicas that hold the id);
-- `affinity`: `AdapterAffinityRouter`, which sends each request to a replica where its adapter is live
-  (`routing.py`); a busy replica spills over to the next rank.
+- `affinity`: `AdapterAffinityRouter`: the least busy replica, and among equally busy ones the replica where the
+  request's adapter is live (`routing.py`).
 
 A request whose replica dies is retried on another one by the ingress (generation is deterministic in its seed, so
 a retry returns the same image and each request gets exactly one answer).
 """
 
-from __future__ import annotations
 
-import asyncio
+import asyncio  # no `from __future__ import annotations`: FastAPI reads the body type at runtime
 import base64
 import io
 import logging
+from collections import Counter
 from typing import Any
 
 import ray
@@ -50,24 +50,32 @@ class GenerateBody(BaseModel):
 
 
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
-    """Ray Serve request router: the request's adapter (its multiplexed model id) picks the replica order.
+    """Ray Serve request router: the least busy replica, preferring the one where the request's adapter (its
+    multiplexed model id) is live.
 
-    One router runs in each caller of the handle (here: the ingress), and it sees every request it routes, so the
-    adapter it last sent to a replica is what that replica has live, with no polling lag.
+    One router runs in each caller of the handle (here: the ingress) and sees every request it routes, so its
+    counts of requests in flight and of the adapter last sent to each replica have no polling lag.
     """
 
     def initialize_state(self, **kwargs) -> None:
         self._last: dict[str, str] = {}
+        self._in_flight: Counter[str] = Counter()
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         adapter = pending_request.metadata.multiplexed_model_id if pending_request else ""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        return [[by_id[i] for i in rank] for rank in rank_by_affinity(adapter, list(by_id), self._last)]
+        ranks = rank_by_affinity(adapter, list(by_id), self._last, self._in_flight)
+        return [[by_id[i] for i in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        self._last[replica_id.unique_id] = pending_request.metadata.multiplexed_model_id
+        replica = replica_id.unique_id
+        self._last[replica] = pending_request.metadata.multiplexed_model_id
+        self._in_flight[replica] += 1
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._in_flight[replica_id.unique_id] = max(0, self._in_flight[replica_id.unique_id] - 1)
 
 
 @serve.deployment

@@ -1,7 +1,9 @@
 """`python -m lora_manager servebench`: the Ray Serve app on a local Ray instance, measured over HTTP.
 
 Two applications run side by side on the same replicas' settings, one with Ray Serve's default multiplexed routing
-and one with `AdapterAffinityRouter`, and get the same mixed-adapter jobs. Every image is compared with its solo
+and one with `AdapterAffinityRouter`, and get the same mixed-adapter jobs (half for one LoRA, a quarter for a second,
+the rest for a third or none), sent one at a time (a replica is always
+free: routing alone decides where a request lands) and from `clients` threads. Every image is compared with its solo
 reference from `LoraManager.generate`; swaps are counted from each answer's `swap_ms`. Then one replica of the
 affinity app is killed while a concurrent load runs: every request must still get exactly one correct answer.
 """
@@ -38,6 +40,7 @@ class LoadReport:
     mismatches: int  # answers more than 1 level of 255 away from their solo reference
     swaps: int  # answers whose replica had to swap adapters first
     swaps_per_request: float
+    avoidable_swaps: int | None  # one client only: swaps although the adapter was live on another replica
     adapter_changes_requested: int  # consecutive jobs (in submission order) whose adapters differ
     replicas: dict[str, int]  # answers per replica
     retried: int  # answers that needed more than one attempt (their first replica died)
@@ -79,6 +82,13 @@ def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_f
     ok = [(job, a) for job, a in zip(jobs, answers) if a is not None]
     images = [Image.open(io.BytesIO(base64.b64decode(a["image_png_base64"]))) for _, a in ok]
     swaps = sum(a["info"]["swap_ms"] > 0 for _, a in ok)
+    avoidable = None
+    if clients == 1:  # answers arrive in job order: replay which adapter each replica held
+        live: dict[str, str | None] = {}
+        avoidable = 0
+        for job, a in ok:
+            avoidable += a["info"]["swap_ms"] > 0 and job.adapter in live.values()
+            live[a["info"]["replica"]] = job.adapter
     return LoadReport(
         name=name,
         requests=len(jobs),
@@ -86,6 +96,7 @@ def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_f
         mismatches=sum(levels(img, refs[job]) > 1 for (job, _), img in zip(ok, images)),
         swaps=swaps,
         swaps_per_request=swaps / max(1, len(ok)),
+        avoidable_swaps=avoidable,
         adapter_changes_requested=sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:])),
         replicas=dict(Counter(a["info"]["replica"] for _, a in ok)),
         retried=sum(a["info"]["attempts"] > 1 for _, a in ok),
@@ -112,9 +123,10 @@ def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: in
     from .serve import ROUTINGS, build_app
 
     manager = LoraManager.from_preset(preset, compile=False)
-    ids = [a.id for a in manager.adapters()][:3]
-    jobs = make_jobs([None, *ids], requests, seed)
-    kill_jobs = make_jobs([None, *ids], 2 * requests, seed + 1)
+    a, b, c = [x.id for x in manager.adapters()][:3]
+    popular = [a, a, a, a, b, b, c, None]  # a few LoRAs get most requests, as on any Space
+    jobs = make_jobs(popular, requests, seed)
+    kill_jobs = make_jobs(popular, 2 * requests, seed + 1)
     refs = solo_references(manager, jobs + kill_jobs)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
@@ -130,7 +142,8 @@ def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: in
                       route_prefix=f"/{routing}")
         start_s = time.perf_counter() - t0
         base = f"http://127.0.0.1:{port}"
-        loads = [send(f"{base}/{r}", jobs, clients, refs, f"{r} routing") for r in ROUTINGS]
+        loads = [send(f"{base}/{r}", jobs, n, refs, f"{r} routing, {n} client{'s' * (n > 1)}")
+                 for n in sorted({1, clients}) for r in reversed(ROUTINGS)]
         killed = []
         loads.append(send(f"{base}/affinity", kill_jobs, 2 * clients, refs, "affinity, one replica killed",
                           after_first=(len(kill_jobs) // 4, lambda: killed.append(kill_one_replica("affinity")))))
