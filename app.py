@@ -1,7 +1,7 @@
 """Gradio Space for lora_manager: one pipeline, many LoRAs chosen per request, hotswapped without recompiling.
 
     python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
-                  [--slots K] [--host 127.0.0.1] [--port 7860] [--share]
+                  [--slots K] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860] [--share]
 
 Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, GRADIO_SERVER_NAME,
 GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt, adapter, strength, seed,
@@ -25,6 +25,7 @@ import gradio as gr  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
 from lora_manager import AdapterInfo, LoraManager, LoraManagerError, bench  # noqa: E402
+from lora_manager.remote import RemoteManager  # noqa: E402
 
 try:  # ZeroGPU: a GPU is attached only inside functions decorated with spaces.GPU
     import spaces
@@ -121,7 +122,7 @@ def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None)
 # ---- the app --------------------------------------------------------------------------------------------------------
 
 
-def build_demo(manager: LoraManager) -> gr.Blocks:
+def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
     """The Blocks app over `manager`; the caller queues and launches it."""
     defaults = manager.generation_defaults
     combine = len(manager.slots) > 1
@@ -307,6 +308,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-mb", type=int, default=None, help="CPU adapter cache budget in MiB (default 4096)")
     p.add_argument("--slots", type=int, default=int(os.environ.get("LORA_SLOTS", 2)),
                    help="hotswap slots: LoRAs one request can combine (env LORA_SLOTS; default 2)")
+    p.add_argument("--backend", choices=("local", "ray"), default=os.environ.get("LORA_BACKEND", "local"),
+                   help="local: the engine in this process; ray: a `python -m lora_manager serve` deployment")
+    p.add_argument("--ray-url", default=os.environ.get("LORA_RAY_URL", "http://127.0.0.1:8000"),
+                   help="the Ray Serve deployment's HTTP address (with --backend ray)")
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     p.add_argument("--share", action="store_true")
@@ -320,7 +325,10 @@ def main(argv: list[str] | None = None) -> None:
         kwargs["cache_bytes"] = args.cache_mb * 2**20
     compile_ = False if ZERO_GPU else args.compile
     try:
-        manager = LoraManager.from_preset(args.preset, compile=compile_, **kwargs)
+        if args.backend == "ray":
+            manager = RemoteManager(args.ray_url, args.preset)
+        else:
+            manager = LoraManager.from_preset(args.preset, compile=compile_, **kwargs)
     except (ValueError, LoraManagerError) as e:  # unknown preset, bad catalog: one line, no traceback
         raise SystemExit(f"app.py: {e}") from e
     for adapter_id, reason in manager.errors.items():

@@ -54,7 +54,6 @@ ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # 560 modules in the SDXL UNet
 SDXL_ADAPTERS = (("r64a", 64, 64.0), ("r64b", 64, 32.0), ("r16", 16, 8.0), ("r48", 48, 24.0))
 RESIDENT_COUNTS = (1, 2, 5, 10)
 SLOT_COUNTS = (1, 2, 3)
-SDXL_CPU_SLOT_LATENT = 32  # 256x256: an SDXL-size forward at 1024x1024 takes minutes on this CPU
 DEFAULT_DTYPE = {"tiny": "float32", "sdxl": "bfloat16"}
 COMPILE_SWAPS = 10
 TOLERANCE = 1e-5
@@ -71,8 +70,7 @@ class Workload:
     check: tuple[S.BenchAdapter, ...]  # loaded in this order by the engine and by diffusers' hotswap, then compared
     target_rank: int
     inputs: S.Inputs | None  # denoiser inputs; None where a forward is too slow to time (SDXL on CPU)
-    slot_inputs: S.Inputs  # inputs for the forward cost of K hotswap slots (smaller where `inputs` is None)
-    slot_weights: list[AdapterWeights]  # what fills the slots
+    slot_weights: list[AdapterWeights]  # what fills the K hotswap slots when their forward cost is timed
     compare_outputs: bool
     notes: list[str] = field(default_factory=list)
 
@@ -117,10 +115,11 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
     reload = S.measure_reload(wl.make_unet(), wl.primary, wl.loader, repeats)
     resident = S.measure_resident(wl.make_unet(), wl.primary, wl.loader, RESIDENT_COUNTS, repeats, wl.inputs)
     notes = list(wl.notes)
-    modules = {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}
-    slots = S.measure_slots(wl.make_unet, modules, wl.target_rank, wl.slot_weights, SLOT_COUNTS, wl.slot_inputs,
-                            repeats)
-    engine_forward, compiled = None, None
+    engine_forward, compiled, slots = None, None, None
+    if wl.inputs is not None:
+        modules = {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}
+        slots = S.measure_slots(wl.make_unet, modules, wl.target_rank, wl.slot_weights, SLOT_COUNTS, wl.inputs,
+                                repeats)
     if wl.inputs is not None:
         engine_forward = S.timed(lambda _: S.forward(unet, wl.inputs), repeats, S.device_of(unet))
         if compile:
@@ -157,8 +156,7 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
             "counts": list(slots.counts),
             "base_forward_ms": slots.base_forward.median_ms,
             "forward_ms": [t.median_ms for t in slots.forward],
-            "inputs": {k: list(v.shape) for k, v in wl.slot_inputs.items() if isinstance(v, torch.Tensor)},
-        },
+        } if slots else None,
         "compile": asdict(compiled) if compiled else None,
         "check": check,
         "notes": notes,
@@ -219,7 +217,6 @@ def tiny_workload(device: torch.device, dtype: torch.dtype) -> Workload:
         check=(by_rank[-1], by_rank[0]),  # the smallest rank after the largest: the padding must be zeroed
         target_rank=max(a.rank for a in adapters),
         inputs=_tiny_inputs(model, device, dtype),
-        slot_inputs=_tiny_inputs(model, device, dtype),
         slot_weights=[a.weights for a in by_rank],
         compare_outputs=True,
     )
@@ -234,8 +231,8 @@ def sdxl_workload(device: torch.device, dtype: torch.dtype, folder: Path) -> Wor
         for seed, (name, rank, alpha) in enumerate(SDXL_ADAPTERS)
     }
     forward = device.type == "cuda"
-    notes = [] if forward else ["SDXL forward at 1024x1024 not timed on CPU (minutes per call): resident cost is "
-                                "set_adapters only; the K-slot forward is timed at 256x256."]
+    notes = [] if forward else ["SDXL forward not timed on CPU (minutes per call even at 256x256 in bf16): resident "
+                                "cost is set_adapters only, and the K-slot forward cost is not measured."]
     return Workload(
         make_unet=lambda: _sdxl_unet(device, dtype, filled=forward),
         loader=loader,
@@ -244,7 +241,6 @@ def sdxl_workload(device: torch.device, dtype: torch.dtype, folder: Path) -> Wor
         check=(adapters["r64a"], adapters["r16"]),
         target_rank=max(rank for _, rank, _ in SDXL_ADAPTERS),
         inputs=_sdxl_inputs(device, dtype) if forward else None,
-        slot_inputs=_sdxl_inputs(device, dtype, 128 if forward else SDXL_CPU_SLOT_LATENT),
         slot_weights=[adapters[n].weights for n in ("r64a", "r64b", "r48")],
         compare_outputs=False,
         notes=notes,
@@ -297,13 +293,13 @@ def _tiny_inputs(model: Path, device: torch.device, dtype: torch.dtype) -> S.Inp
     }
 
 
-def _sdxl_inputs(device: torch.device, dtype: torch.dtype, latent: int = 128) -> S.Inputs:
-    """A classifier-free-guidance step (batch 2, 77 tokens) at 8 x `latent` pixels (1024x1024 by default)."""
+def _sdxl_inputs(device: torch.device, dtype: torch.dtype) -> S.Inputs:
+    """A 1024x1024 classifier-free-guidance step (batch 2, 77 tokens)."""
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
 
     return {
-        "sample": rand(2, 4, latent, latent),
+        "sample": rand(2, 4, 128, 128),
         "timestep": torch.tensor(500, device=device),
         "encoder_hidden_states": rand(2, 77, 2048),
         "added_cond_kwargs": {"text_embeds": rand(2, 1280), "time_ids": rand(2, 6)},
@@ -364,9 +360,10 @@ def format_table(report: dict) -> str:
     if res["forward_ms"]:
         lines.append(f"  forward ms for N resident: {[round(v, 2) for v in res['forward_ms']]}; "
                      f"engine forward {res['engine_forward_ms']:.2f} ms")
-    sl = report["slots"]
-    lines.append(f"  forward ms with K slots {sl['counts']}: {[round(v, 2) for v in sl['forward_ms']]}; "
-                 f"no LoRA layers {sl['base_forward_ms']:.2f} ms (inputs {sl['inputs']['sample']})")
+    if report["slots"]:
+        sl = report["slots"]
+        lines.append(f"  forward ms with K slots {sl['counts']}: {[round(v, 2) for v in sl['forward_ms']]}; "
+                     f"no LoRA layers {sl['base_forward_ms']:.2f} ms")
     if report["compile"]:
         lines.append(f"  compile: {report['compile']}")
     lines.append(f"  check: {report['check']}")

@@ -43,10 +43,19 @@ api = FastAPI(title="lora-hotswap")
 
 class GenerateBody(BaseModel):
     prompt: str
-    adapter: str | None = None
+    adapter: str | list | None = None  # an id, or ids / [id, strength] pairs up to the replicas' slots
     strength: float = 1.0
     seed: int = 0
     steps: int | None = None
+
+
+def _routing_key(adapter: str | list | None) -> str:
+    """The multiplexed model id: the adapter, or the first of a combination ('' for the base model). Defined above
+    the deployments: Ray serializes a deployment class when it is decorated, with the globals it finds then."""
+    if isinstance(adapter, list) and adapter:
+        first = adapter[0]
+        return first if isinstance(first, str) else str(first[0])
+    return adapter if isinstance(adapter, str) else ""
 
 
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
@@ -99,11 +108,10 @@ class LoraReplica:
         return adapter_id
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        adapter = serve.get_multiplexed_model_id() or None
-        if adapter:
-            await self.adapter(adapter)
+        if serve.get_multiplexed_model_id():  # the routing key: the request's (first) adapter
+            await self.adapter(serve.get_multiplexed_model_id())
         result = await asyncio.to_thread(
-            self.manager.generate, body["prompt"], adapter, body["strength"], body["seed"], body["steps"]
+            self.manager.generate, body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"]
         )
         buffer = io.BytesIO()
         result.image.save(buffer, format="PNG")
@@ -112,8 +120,11 @@ class LoraReplica:
             "info": {**result.info, "replica": self.name},
         }
 
-    def adapters(self) -> list[dict[str, Any]]:
-        return [a.as_dict() for a in self.manager.adapters()]
+    def describe(self) -> dict[str, Any]:
+        """What a front end needs to present this replica's engine (`remote.RemoteManager`)."""
+        m = self.manager
+        return {"replica": self.name, "target_rank": m.target_rank, "slots": len(m.slots), "compiled": m.compiled,
+                "adapters": [a.as_dict() for a in m.adapters()], "errors": m.errors, "stats": m.stats()}
 
 
 @serve.deployment
@@ -126,7 +137,7 @@ class Ingress:
 
     @api.post("/generate")
     async def generate(self, body: GenerateBody) -> dict[str, Any]:
-        handle = self.replicas.options(multiplexed_model_id=body.adapter or "")
+        handle = self.replicas.options(multiplexed_model_id=_routing_key(body.adapter))
         for attempt in range(1, RETRIES + 1):
             try:
                 answer = await handle.generate.remote(body.model_dump())
@@ -140,9 +151,10 @@ class Ingress:
                     raise HTTPException(status_code=503, detail="no replica could serve the request") from e
         raise AssertionError("unreachable")
 
-    @api.get("/adapters")
-    async def adapters(self) -> list[dict[str, Any]]:
-        return await self.replicas.adapters.remote()
+    @api.get("/info")
+    async def info(self) -> dict[str, Any]:
+        """One replica's engine: target rank, slots, adapters (as `AdapterInfo`), stats."""
+        return await self.replicas.describe.remote()
 
 
 def build_app(
@@ -167,6 +179,12 @@ def build_app(
     if routing == "affinity":
         options["request_router_config"] = RequestRouterConfig(request_router_class=AdapterAffinityRouter)
     return Ingress.bind(LoraReplica.options(**options).bind(preset, compile, slots, threads))
+
+
+def app_builder(args: dict[str, Any]):
+    """For Serve config files (KubeRay `serveConfigV2`): `import_path: lora_manager.serve:app_builder`, `args` as
+    `build_app`'s keywords."""
+    return build_app(**args)
 
 
 def main(args) -> None:

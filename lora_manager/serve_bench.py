@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -115,19 +117,14 @@ def kill_one_replica(app: str) -> str:
     return names[0]
 
 
-def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: int = 2, seed: int = 0) -> dict:
-    """Start Ray and both apps, run the loads, shut everything down; returns the report."""
+@contextmanager
+def running(preset: str = "tiny", replicas: int = 2) -> Iterator[tuple[str, float]]:
+    """A local Ray with both apps (`/default`, `/affinity`) on a free port; yields (base URL, seconds to ready)."""
     import ray
     from ray import serve
 
     from .serve import ROUTINGS, build_app
 
-    manager = LoraManager.from_preset(preset, compile=False)
-    a, b, c = [x.id for x in manager.adapters()][:3]
-    popular = [a, a, a, a, b, b, c, None]  # a few LoRAs get most requests, as on any Space
-    jobs = make_jobs(popular, requests, seed)
-    kill_jobs = make_jobs(popular, 2 * requests, seed + 1)
-    refs = solo_references(manager, jobs + kill_jobs)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     # Logical CPUs: Ray schedules by them; the real cores are shared (each replica runs one torch thread).
@@ -140,24 +137,32 @@ def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: in
         for routing in ROUTINGS:
             serve.run(build_app(preset, replicas, routing, compile=False, threads=1), name=routing,
                       route_prefix=f"/{routing}")
-        start_s = time.perf_counter() - t0
-        base = f"http://127.0.0.1:{port}"
-        loads = [send(f"{base}/{r}", jobs, n, refs, f"{r} routing, {n} client{'s' * (n > 1)}")
-                 for n in sorted({1, clients}) for r in reversed(ROUTINGS)]
-        killed = []
-        loads.append(send(f"{base}/affinity", kill_jobs, 2 * clients, refs, "affinity, one replica killed",
-                          after_first=(len(kill_jobs) // 4, lambda: killed.append(kill_one_replica("affinity")))))
+        yield f"http://127.0.0.1:{port}", time.perf_counter() - t0
     finally:
         serve.shutdown()
         ray.shutdown()
-    return {
-        "preset": preset,
-        "replicas_per_app": replicas,
-        "clients": clients,
-        "apps_ready_s": start_s,
-        "killed": killed,
-        "loads": [asdict(r) for r in loads],
-    }
+
+
+def measure(base: str, preset: str = "tiny", requests: int = 16, clients: int = 2, seed: int = 0) -> dict:
+    """The loads against running apps: each routing with one client and with `clients`, then the replica kill."""
+    manager = LoraManager.from_preset(preset, compile=False)
+    a, b, c = [x.id for x in manager.adapters()][:3]
+    popular = [a, a, a, a, b, b, c, None]  # a few LoRAs get most requests, as on any Space
+    jobs = make_jobs(popular, requests, seed)
+    kill_jobs = make_jobs(popular, 2 * requests, seed + 1)
+    refs = solo_references(manager, jobs + kill_jobs)
+    loads = [send(f"{base}/{r}", jobs, n, refs, f"{r} routing, {n} client{'s' * (n > 1)}")
+             for n in sorted({1, clients}) for r in ("default", "affinity")]
+    killed: list[str] = []
+    loads.append(send(f"{base}/affinity", kill_jobs, 2 * clients, refs, "affinity, one replica killed",
+                      after_first=(len(kill_jobs) // 4, lambda: killed.append(kill_one_replica("affinity")))))
+    return {"preset": preset, "clients": clients, "killed": killed, "loads": [asdict(r) for r in loads]}
+
+
+def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: int = 2, seed: int = 0) -> dict:
+    """Start Ray and both apps, run the loads, shut everything down; returns the report."""
+    with running(preset, replicas) as (base, ready_s):
+        return {"replicas_per_app": replicas, "apps_ready_s": ready_s, **measure(base, preset, requests, clients, seed)}
 
 
 def main(args) -> None:

@@ -47,7 +47,7 @@ def test_report_is_complete(bench_run):
     assert resident["engine_forward_ms"] > 0
     slots = report["slots"]
     assert slots["counts"] == [1, 2, 3] and slots["base_forward_ms"] > 0 and len(slots["forward_ms"]) == 3
-    assert all(v > 0 for v in slots["forward_ms"]) and slots["inputs"]["sample"] == [2, 4, 16, 16]
+    assert all(v > 0 for v in slots["forward_ms"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from lora_manager.routing import preference, rank_by_affinity
@@ -33,10 +34,19 @@ def test_affinity_ranks_least_busy_then_live_then_fresh_then_hash_order():
 
 
 @pytest.fixture(scope="module")
-def report():
+def deployment():
     from lora_manager import serve_bench
 
-    out = serve_bench.run("tiny", replicas=2, requests=16, clients=2)
+    with serve_bench.running("tiny", replicas=2) as (base, ready_s):
+        print(f"Ray Serve apps ready in {ready_s:.1f} s")
+        yield base
+
+
+@pytest.fixture(scope="module")
+def report(deployment):
+    from lora_manager import serve_bench
+
+    out = serve_bench.measure(deployment, "tiny", requests=16, clients=2)
     print(json.dumps(out, indent=2))
     return {load["name"]: load for load in out["loads"]} | {"killed": out["killed"]}
 
@@ -66,3 +76,27 @@ def test_a_killed_replica_loses_no_request(report):
     assert len(report["killed"]) == 1
     assert load["errors"] == [] and load["answered"] == load["requests"] == 32, load
     assert load["mismatches"] == 0
+
+
+def test_the_app_runs_on_the_ray_backend(deployment, report):
+    """`python app.py --backend ray`: the same UI and API, generation on the replicas (after the kill test: a
+    replacement replica is serving by now)."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+    from PIL import Image
+    from test_app_api import PROMPT, adapter_ids, running_app
+
+    from lora_manager import LoraManager
+
+    a, b = adapter_ids()[:2]
+    with running_app("--backend", "ray", "--ray-url", f"{deployment}/affinity") as url:
+        client = Client(url, verbose=False)
+        path, info = client.predict(PROMPT, a, 0.8, 3, 4, api_name="/generate")
+        assert info["adapter"] == a and info["replica"] and info["attempts"] == 1
+        solo = LoraManager.from_preset("tiny").generate(PROMPT, a, 0.8, 3, 4).image
+        diff = np.abs(np.asarray(Image.open(path).convert("RGB"), dtype=int) - np.asarray(solo, dtype=int))
+        assert diff.max() <= 1
+        with pytest.raises(AppError, match="2 adapters requested but this engine has 1 hotswap slot"):
+            client.predict(PROMPT, [a, b], 1.0, 0, 2, api_name="/generate")
+        status = client.predict("tester/copy", "", api_name="/add_adapter")
+        assert "needs the in-process engine" in status

@@ -1,0 +1,83 @@
+"""The app's engine when generation runs on Ray Serve (`python app.py --backend ray --ray-url URL`).
+
+`RemoteManager` offers the part of `LoraManager`'s interface that `app.py` uses. The catalog (names, triggers,
+previews) comes from the same preset on local disk; adapters, slots and stats from the deployment's `GET /info`;
+images from `POST /generate`. Adding a LoRA from the UI needs the engine in-process and is refused here.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import httpx
+from PIL import Image
+
+from .catalog import load_preset, resolve_base_model
+from .errors import LoraManagerError, RequestError
+from .specs import AdapterInfo, AdapterSpec, Result
+
+TIMEOUT_S = 600
+
+
+class RemoteManager:
+    """A `LoraManager` look-alike that forwards generation to a Ray Serve deployment of `lora_manager.serve`."""
+
+    def __init__(self, url: str, preset: str = "tiny"):
+        self.url = url.rstrip("/")
+        self.catalog, self._root = load_preset(preset)
+        self.base_model = resolve_base_model(self.catalog, self._root)
+        self.generation_defaults = dict(self.catalog.generation)
+        info = self._get("/info")
+        self.target_rank: int = info["target_rank"]
+        self.slots = [None] * info["slots"]  # only its length is used: how many adapters a request may combine
+        self.compiled: bool = info["compiled"]
+        self.errors: dict[str, str] = info["errors"]
+
+    def adapters(self) -> list[AdapterInfo]:
+        specs = {a.id: a for a in self.catalog.adapters}
+        return [AdapterInfo(**a, spec=specs.get(a["id"])) for a in self._get("/info")["adapters"]]
+
+    def spec(self, adapter_id: str) -> AdapterSpec:
+        spec = next((a for a in self.catalog.adapters if a.id == adapter_id), None)
+        if spec is None:
+            raise LoraManagerError(f"Unknown adapter {adapter_id!r}.", adapter_id)
+        return spec
+
+    def asset_path(self, relative: str | None) -> Path | None:
+        path = self._root / relative if relative else None
+        return path if path is not None and path.is_file() else None
+
+    def stats(self) -> dict[str, Any]:
+        return self._get("/info")["stats"]
+
+    def register(self, adapter_id: str, source: str, **_) -> AdapterInfo:
+        raise LoraManagerError(
+            f"Adapter {adapter_id!r}: adding LoRAs from the UI needs the in-process engine; with the Ray backend add "
+            "it to the preset's catalog and redeploy.", adapter_id,
+        )
+
+    def generate(self, prompt: str, adapter=None, strength: float = 1.0, seed: int = 0, steps: int | None = None,
+                 **_) -> Result:
+        """POST /generate. Per-step callbacks do not cross the network: progress shows start and end only."""
+        body = {"prompt": prompt, "adapter": adapter, "strength": strength, "seed": seed, "steps": steps}
+        answer = self._call("POST", "/generate", json=body)
+        image = Image.open(io.BytesIO(base64.b64decode(answer["image_png_base64"]))).convert("RGB")
+        return Result(image=image, info=answer["info"])
+
+    def _get(self, path: str) -> dict[str, Any]:
+        return self._call("GET", path)
+
+    def _call(self, method: str, path: str, **kwargs) -> Any:
+        """One HTTP call; the engine's refusals (400) come back as RequestError, anything else as one line."""
+        try:
+            r = httpx.request(method, f"{self.url}{path}", timeout=TIMEOUT_S, **kwargs)
+        except httpx.HTTPError as e:
+            raise LoraManagerError(f"Cannot reach the Ray Serve deployment at {self.url}: {e}") from e
+        if r.status_code in (400, 422):
+            raise RequestError(str(r.json().get("detail")))
+        if r.is_error:
+            raise LoraManagerError(f"Ray Serve deployment at {self.url}: HTTP {r.status_code} on {path}.")
+        return r.json()
