@@ -390,9 +390,11 @@ def make_figure(report: dict):
     if res["forward_ms"]:
         lines.plot(res["counts"], res["forward_ms"], "o-", color="tab:orange",
                    label="diffusers: N resident, unused at weight 0")
+        lines.axhline(res["engine_forward_ms"], ls="--", color="tab:green",
+                      label="engine: one slot, any N held in CPU memory")
         slots = report["slots"]
-        lines.plot(slots["counts"], slots["forward_ms"], "s-", color="tab:green",
-                   label="engine: K slots, each holding a LoRA (K combined)")
+        lines.plot(slots["counts"], slots["forward_ms"], "s:", color="tab:olive",
+                   label="engine: K slots, K LoRAs combined per request")
         lines.set_ylabel("denoiser forward, ms")
         lines.set_title("Forward cost vs LoRAs the forward computes")
     else:
