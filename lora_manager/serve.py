@@ -147,9 +147,7 @@ class Ingress:
                 raise HTTPException(status_code=400, detail=str(e)) from e
             except RayActorError as e:
                 log.warning("replica died under a request (attempt %d of %d): %s", attempt, RETRIES, e)
-                if attempt == RETRIES:
-                    raise HTTPException(status_code=503, detail="no replica could serve the request") from e
-        raise AssertionError("unreachable")
+        raise HTTPException(status_code=503, detail=f"no replica could serve the request in {RETRIES} attempts")
 
     @api.get("/info")
     async def info(self) -> dict[str, Any]:
@@ -173,7 +171,7 @@ def build_app(
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     options: dict[str, Any] = {
         "num_replicas": replicas,
-        "max_ongoing_requests": max_ongoing_requests,  # beyond this a busy home spills over to the next replica
+        "max_ongoing_requests": max_ongoing_requests,  # a full replica is skipped: the router tries the next
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
     }
     if routing == "affinity":
