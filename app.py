@@ -16,16 +16,23 @@ import time
 _T0 = time.time()  # "ready in" counts from here, before the heavy imports below
 
 import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
-from lora_manager import AdapterInfo, LoraManager, LoraManagerError, bench  # noqa: E402
+from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
 from lora_manager.remote import RemoteManager  # noqa: E402
+from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, shorten  # noqa: E402
 
 try:  # ZeroGPU: a GPU is attached only inside functions decorated with spaces.GPU
     import spaces
@@ -39,7 +46,10 @@ except ImportError:
         return fn if fn is not None else (lambda f: f)
 
 
+log = logging.getLogger("app")
 SEED_MAX = 2**32 - 1
+MAX_UPLOAD = "1kb"  # the app has no file input: Gradio's upload route gets nothing bigger than this
+STRATEGIES_TIMEOUT_S = 600
 # Gradio lets this many generate calls reach the engine at once; its scheduler runs one at a time, grouped by adapter,
 # and answers "Busy ... retry" when its own queue is full.
 GENERATE_CONCURRENCY = 8
@@ -90,9 +100,16 @@ def _adapters_text(info: dict) -> str:
 
 
 def info_markdown(info: dict | None) -> str:
-    """The human view of the info dict that /generate returns."""
-    if not info:
+    """The human view of the info dict that /generate returns (anything else shows the placeholder)."""
+    try:
+        return _info_lines(info)
+    except (KeyError, TypeError, ValueError, AttributeError):
         return "*Generate an image to see swap and generation times.*"
+
+
+def _info_lines(info: dict) -> str:
+    if not isinstance(info, dict) or not info:
+        raise ValueError("no info")
     cache = info.get("cpu_cache", {})
     held = ", ".join(f"`{k}` {_mb(v)}" for k, v in cache.get("adapters", {}).items()) or "none"
     return "  \n".join([
@@ -105,6 +122,22 @@ def info_markdown(info: dict | None) -> str:
         f"**CPU cache:** {len(cache.get('adapters', {}))} adapters, {_mb(cache.get('bytes'))} of "
         f"{_mb(cache.get('budget_bytes'))}: {held}",
     ])
+
+
+def _text(value, name: str, limit: int) -> str:
+    """A UI field as stripped text, refused with the field's name when it is not text or too long."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > limit:
+        raise gr.Error(f"{name} must be text of at most {limit} characters, got {shorten(value)}.")
+    return value.strip()
+
+
+def _float(value, name: str, default: float) -> float:
+    try:
+        return float(value) if value is not None else default
+    except (TypeError, ValueError) as e:
+        raise gr.Error(f"{name} must be a number, got {shorten(value)}.") from e
 
 
 def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None) -> str:
@@ -126,8 +159,8 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
     """The Blocks app over `manager`; the caller queues and launches it."""
     defaults = manager.generation_defaults
     combine = len(manager.slots) > 1
-    local = Path(manager.base_model).is_absolute()  # a preset's own folder: its name says more than the path
-    model = f"{manager.catalog.name} ({Path(manager.base_model).name})" if local else manager.base_model
+    model = manager.model_name
+    strategies_lock = threading.Lock()  # one measurement at a time, in a process of its own
 
     def gallery_items() -> list[tuple]:
         none = manager.asset_path("previews/none.png")
@@ -138,10 +171,11 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
         return items
 
     @gpu
-    def generate(prompt: str, adapter, strength: float, seed: int, steps: int, progress=gr.Progress()):
+    def generate(prompt: str, adapter, strength: float, seed: int, steps: int | None, progress=gr.Progress()):
         """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
-        hotswap slot); `strength` applies to entries without their own. Returns the image and its info."""
-        total = int(steps or defaults.get("num_inference_steps", 1))
+        hotswap slot); `strength` applies to entries without their own; `steps` None for the preset's default.
+        Every value is checked by the engine's request schema. Returns the image and its info."""
+        total = steps if type(steps) is int and steps > 0 else defaults.get("num_inference_steps", 1)
 
         def on_step(pipe, step, timestep, kwargs):
             progress((step + 1, total), desc="denoising", unit="steps")
@@ -149,8 +183,7 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
 
         progress((0, total), desc="swapping adapter", unit="steps")
         try:
-            result = manager.generate(prompt or "", adapter=adapter or None, strength=float(strength),
-                                      seed=int(seed), steps=int(steps) if steps else None,
+            result = manager.generate(prompt, adapter=adapter, strength=strength, seed=seed, steps=steps,
                                       callback_on_step_end=on_step)
         except LoraManagerError as e:
             raise gr.Error(str(e)) from e
@@ -162,7 +195,8 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
 
     def add_adapter(repo_id: str, weight_name: str, progress=gr.Progress(track_tqdm=True)) -> str:
         """Download a LoRA from the Hub, check it against the loaded template and register it; returns a status."""
-        repo_id, weight_name = (repo_id or "").strip(), (weight_name or "").strip() or None
+        repo_id = _text(repo_id, "Hub repo id", MAX_ID_CHARS)
+        weight_name = _text(weight_name, "weight name", MAX_ID_CHARS) or None
         progress(0, desc=f"fetching {repo_id}")
         try:
             info = manager.register(_adapter_id_for(manager, repo_id, weight_name), repo_id,
@@ -171,19 +205,24 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
             return f"**Refused:** {e}"
         return f"**Added.** {_details(info)}  \nPick it in the gallery above."
 
-    def prepare(prompt: str, adapter_id: str, strength: float, add_trigger: bool, seed, randomize: bool, *extra):
-        """UI only: the adapters sent ([id, strength] per filled slot), the prompt actually sent (their triggers
-        appended) and the seed (fresh when randomize is on). `extra` holds the combine rows: id, strength, ..."""
-        mix = [[adapter_id, strength]] + [[i, s] for i, s in zip(extra[::2], extra[1::2])]
-        mix = [[i, float(s)] for i, s in mix if i]
-        for i, _ in mix if add_trigger else ():
+    def prepare(prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra):
+        """UI only: what /generate is sent: the adapters ([id, strength] per filled slot), the prompt (their triggers
+        appended), strength, seed (fresh when randomize is on) and steps. `extra` holds the combine rows: id,
+        strength, ... It refuses what is not text or a number, naming the field; /generate checks the ranges."""
+        prompt = _text(prompt, "Prompt", MAX_PROMPT_CHARS)
+        strength = _float(strength, "Strength", 1.0)
+        rows = [(adapter_id, strength)] + list(zip(extra[::2], extra[1::2]))
+        mix = [[_text(i, "adapter", MAX_ID_CHARS), _float(s, "strength", strength)] for i, s in rows if i]
+        for i, _ in mix if add_trigger is True else ():
             try:
                 trigger = manager.spec(i).trigger
             except LoraManagerError:  # unknown id: /generate reports it
                 trigger = ""
             if trigger and trigger not in prompt:
-                prompt = f"{prompt}, {trigger}" if prompt.strip() else trigger
-        return mix, prompt, random.randint(0, SEED_MAX) if randomize else int(seed or 0)
+                prompt = f"{prompt}, {trigger}" if prompt else trigger
+        seed = random.randint(0, SEED_MAX) if randomize is True else round(_float(seed, "Seed", 0.0))
+        steps = round(_float(steps, "Steps", 0.0)) or None
+        return mix, prompt, seed, strength, seed, steps
 
     def adapter_choices() -> list[tuple[str, str]]:
         return [("none", "")] + [(a.spec.display_name, a.id) for a in manager.adapters()]
@@ -193,13 +232,24 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
 
     def select(strength: float, evt: gr.SelectData):
         adapters = manager.adapters()
-        a = adapters[evt.index - 1] if 0 < evt.index <= len(adapters) else None
+        index = evt.index if isinstance(evt.index, int) else 0
+        a = adapters[index - 1] if 0 < index <= len(adapters) else None
         return (a.id if a else ""), (a.spec.strength if a else strength), _details(a)
 
     def strategies(repeats: int, progress=gr.Progress()):
-        """Time every way of switching adapters on fresh copies of the embedded model (never on the live pipeline)."""
-        progress(0, desc="measuring reload, set_adapters, diffusers hotswap and the engine's swap")
-        report = bench.run("tiny", int(repeats), device="cpu")
+        """Time every way of switching adapters on fresh copies of the embedded model, in a process of its own (one
+        torch thread; never the live pipeline), one measurement at a time."""
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, float)) or not 2 <= repeats <= 20:
+            raise gr.Error(f"repeats must be a number between 2 and 20, got {shorten(repeats)}.")
+        if not strategies_lock.acquire(blocking=False):
+            raise gr.Error("A measurement is already running; try again when it has finished.")
+        try:
+            progress(0, desc="measuring reload, set_adapters, diffusers hotswap and the engine's swap")
+            report = _run_bench(int(repeats))
+        finally:
+            strategies_lock.release()
+        from lora_manager import bench  # matplotlib: loaded when the tab is used, not at start-up
+
         floor = report["results"]["floor_per_tensor_ms"]
         rows = [[k.removesuffix("_ms"), round(v, 3), round(v / floor, 2)] for k, v in report["results"].items()]
         return bench.make_figure(report), rows, report
@@ -219,7 +269,7 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
         with gr.Tab("Generate"):
             with gr.Row():
                 with gr.Column(scale=3):
-                    gallery = gr.Gallery(gallery_items, label="Adapters (click to select)", columns=4,  # per page load
+                    gallery = gr.Gallery(label="Adapters (click to select)", columns=4,
                                          height="auto", allow_preview=False, object_fit="contain",
                                          selected_index=0, elem_id="gallery", format="png", interactive=False,
                                          buttons=[])
@@ -251,8 +301,13 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
                     panel = gr.Markdown(info_markdown(None), elem_id="info-panel")
                     with gr.Accordion("Full info (JSON)", open=False):
                         info = gr.JSON(label="info")
-            sent_prompt = gr.Textbox(visible=False)
-            sent_adapters = gr.JSON(visible=False)  # what /generate receives: [[id, strength], ...] per filled slot
+            # what /generate receives, as its API documents it; JSON passes values through unconverted, so the
+            # request schema (not a component's converter) checks them and names the field it refuses
+            sent_prompt = gr.Textbox(visible=False, label="prompt")
+            sent_adapters = gr.JSON(visible=False, label="adapter")  # [[id, strength], ...] per filled slot
+            sent_strength = gr.JSON(visible=False, label="strength")
+            sent_seed = gr.JSON(visible=False, label="seed")
+            sent_steps = gr.JSON(visible=False, label="steps")
             with gr.Accordion("Add a LoRA from the Hub", open=False, elem_id="add-box"):
                 with gr.Row():
                     repo_id = gr.Textbox("", label="Hub repo id", placeholder="owner/name", elem_id="repo-id")
@@ -277,17 +332,36 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
                 report = gr.JSON()
             measure.click(strategies, repeats, [plot, table, report], api_name="strategies")
 
+        demo.load(gallery_items, None, gallery, api_visibility="private", queue=False, show_progress="hidden")
         gallery.select(select, strength, [adapter_id, strength, details], api_visibility="private")
-        (run.click(prepare, [prompt, adapter_id, strength, add_trigger, seed, randomize, *extra],
-                   [sent_adapters, sent_prompt, seed], api_visibility="private", queue=False)
-            .then(generate, [sent_prompt, sent_adapters, strength, seed, steps], [image, info], api_name="generate",
-                  concurrency_limit=GENERATE_CONCURRENCY)
+        (run.click(prepare, [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
+                   [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps], api_visibility="private",
+                   queue=False)
+            .success(generate, [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps], [image, info],
+                     api_name="generate", concurrency_limit=GENERATE_CONCURRENCY)
             .then(info_markdown, info, panel, api_visibility="private", queue=False))
         added = (add.click(add_adapter, [repo_id, weight_name], status, api_name="add_adapter")
                  .then(gallery_items, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
         if extra:
             added.then(refresh_choices, None, extra[::2], api_visibility="private", queue=False, show_progress="hidden")
     return demo
+
+
+def _run_bench(repeats: int) -> dict:
+    """`python -m lora_manager bench` in a child process: its models, memory and threads never touch the server's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "lora_manager", "bench", "--scale", "tiny", "--repeats", str(repeats),
+               "--device", "cpu", "--threads", "1", "--json", str(out)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=STRATEGIES_TIMEOUT_S,
+                                  cwd=Path(__file__).parent)
+        except subprocess.TimeoutExpired as e:
+            raise gr.Error(f"The measurement took longer than {STRATEGIES_TIMEOUT_S} s and was stopped.") from e
+        if done.returncode != 0 or not out.is_file():
+            log.error("bench failed (%s): %s", done.returncode, done.stderr[-2000:])
+            raise gr.Error("The measurement failed; the server log has the details.")
+        return json.loads(out.read_text())
 
 
 # ---- command line ---------------------------------------------------------------------------------------------------
@@ -338,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     previews = {str(p.parent) for a in manager.adapters() if (p := manager.asset_path(a.spec.preview))}
     none = manager.asset_path("previews/none.png")
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, prevent_thread_lock=True,
-                css=CSS, allowed_paths=sorted(previews | ({str(none.parent)} if none else set())))
+                css=CSS, allowed_paths=sorted(previews | ({str(none.parent)} if none else set())),
+                max_file_size=MAX_UPLOAD, show_error=True)
     print(f"ready in {time.time() - _T0:.1f} s at {demo.local_url} (preset {args.preset}, "
           f"compiled {manager.compiled}, {len(manager.adapters())} adapters)", flush=True)
     demo.block_thread()

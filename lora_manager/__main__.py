@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="affinity: each adapter to its home replica; default: Ray Serve's multiplexed routing")
     srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     srv.add_argument("--slots", type=int, default=1)
-    srv.add_argument("--cpus-per-replica", type=float, default=1.0)
+    srv.add_argument("--cpus-per-replica", type=float, default=None,
+                     help="CPUs Ray reserves for each replica (default: the machine's CPUs shared evenly)")
     srv.add_argument("--address", default=None, help="Ray cluster address (default: start Ray locally)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)

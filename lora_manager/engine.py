@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,10 @@ from torch._dynamo.utils import counters
 
 from .adapter_file import AdapterWeights, read_adapter
 from .catalog import load_preset, resolve_base_model
-from .errors import LoraManagerError, RequestError, UnknownAdapterError
+from .errors import LoraManagerError, UnknownAdapterError
 from .scheduler import Request, Scheduler
-from .slots import Mix, assign_slots, normalize_mix
+from .request_schema import Mix, check_request, shorten
+from .slots import assign_slots
 from .sources import resolve
 from .store import AdapterStore
 from .specs import AdapterInfo, AdapterSpec, Catalog, Result
@@ -29,7 +32,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 4 * 2**30  # ~20 SDXL rank-64 LoRAs; the live adapter is always kept
 DEFAULT_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # template when the catalog is empty
-LIMITS = {"strength": (-2.0, 2.0), "seed": (0, 2**32 - 1), "steps": (1, 150)}
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class LoraManager:
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
         self._root = Path(catalog_root) if catalog_root else None
         self.base_model = resolve_base_model(self.catalog, self._root) if self._root else self.catalog.base_model
+        # as a user knows it: a Hub id, or the preset's own folder by its catalog-relative name (never a server path)
+        local = self.base_model != self.catalog.base_model
+        self.model_name = f"{self.catalog.name}/{self.catalog.base_model}" if local else self.catalog.base_model
         self.generation_defaults = dict(self.catalog.generation)
         self._lock = threading.RLock()
         self.components = {
@@ -115,6 +120,18 @@ class LoraManager:
         if compile:
             compile_denoiser(self.components[self.denoiser_name], **(compile_kwargs or {}))
             self._warm_up()
+        _OPEN.add(self)
+
+    def close(self) -> None:
+        """Stop the scheduler's worker (queued requests fail with EngineClosedError); the pipeline stays usable."""
+        self.scheduler.close()
+        _OPEN.discard(self)
+
+    def __enter__(self) -> LoraManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_preset(
@@ -207,19 +224,13 @@ class LoraManager:
         **pipe_kwargs,
     ) -> Future:
         """Queue a request and return a Future of its Result; raises QueueFullError when the queue is full."""
-        _check_range("strength", strength)
-        mix = normalize_mix(adapter, strength, len(self.slots))
-        for _, s in mix:
-            _check_range("strength", s)
-        _check_range("seed", seed)
-        params = {**self.generation_defaults, **pipe_kwargs}
-        if steps is not None:
-            _check_range("steps", steps)
-            params["num_inference_steps"] = int(steps)
-        for adapter_id, _ in mix:
+        req = check_request(prompt, adapter, strength, seed, steps, len(self.slots))
+        for adapter_id, _ in req.adapters:
             self._require(adapter_id)
-        mix = tuple((i, float(s)) for i, s in mix)
-        return self.scheduler.submit(Request(prompt, mix, int(seed), params))
+        params = {**self.generation_defaults, **pipe_kwargs}
+        if req.steps is not None:
+            params["num_inference_steps"] = req.steps
+        return self.scheduler.submit(Request(req.prompt, req.adapters, req.seed, params))
 
     def _run_batch(self, requests: list[Request]) -> list[Result]:
         """Run same-adapter requests as one pipeline call (the scheduler's worker calls this, one batch at a time)."""
@@ -250,7 +261,7 @@ class LoraManager:
                     "batch_size": len(requests),
                     "compiled": self.compiled,
                     "recompiles": recompiles,
-                    "base_model": self.base_model,
+                    "base_model": self.model_name,
                 },
             )
             for r, image in zip(requests, images)
@@ -278,6 +289,8 @@ class LoraManager:
                 "queued": self.scheduler.pending(),
                 "adapter_changes": self.scheduler.stats.adapter_changes,
                 "max_wait_s": self.scheduler.stats.max_wait_s,
+                "wait_p50_s": self.scheduler.stats.wait_percentile(50),
+                "wait_p95_s": self.scheduler.stats.wait_percentile(95),
             }
 
     @property
@@ -293,8 +306,10 @@ class LoraManager:
         """Make exactly `mix` live, each adapter at its strength. Every read and check runs before the first write,
         so a refused adapter leaves every slot as it was."""
         wanted = dict(mix)
+        before = set(filter(None, self._live))
         targets = assign_slots(self._live, list(wanted))
-        incoming = [a for a in targets if a is not None and a not in self._live]
+        # every adapter that lands in a slot it is not in yet, including live ones that move to keep id order
+        incoming = list(dict.fromkeys(a for a, held in zip(targets, self._live) if a is not None and a != held))
         fetched: dict[str, AdapterWeights] = {}
         try:
             for adapter_id in incoming:
@@ -302,7 +317,8 @@ class LoraManager:
                 self.store.pin(adapter_id)  # so fetching the next one cannot evict it
         except BaseException:
             for adapter_id in fetched:
-                self.store.unpin(adapter_id)
+                if adapter_id not in before:
+                    self.store.unpin(adapter_id)
             raise
         ms, swapped = 0.0, False
         for i, (slot, old, new) in enumerate(zip(self.slots, self._live, targets)):
@@ -311,9 +327,9 @@ class LoraManager:
                     slot.set_strength(wanted[new])
                 continue
             ms += slot.load(fetched.get(new), wanted.get(new, 0.0))
-            if old is not None:
-                self.store.unpin(old)
             self._live[i], swapped = new, True
+        for adapter_id in before - set(targets):
+            self.store.unpin(adapter_id)
         if swapped:
             self._swap_ms.append(ms)
         return ms
@@ -358,7 +374,7 @@ class LoraManager:
         if reg is None:
             reason = self.errors.get(adapter_id)
             raise UnknownAdapterError(
-                reason or f"Unknown adapter {adapter_id!r}; registered: {sorted(self._registered)}.", adapter_id
+                reason or f"Unknown adapter {shorten(adapter_id)}; registered: {sorted(self._registered)}.", adapter_id
             )
         return reg
 
@@ -391,14 +407,35 @@ class LoraManager:
         self._graphs_after_compile = counters["stats"]["unique_graphs"]
 
 
+_OPEN: weakref.WeakSet[LoraManager] = weakref.WeakSet()
+_HELD: list[LoraManager] = []
+
+
+def _before_fork() -> None:
+    """Fork only between generations and swaps, so a forked child (ZeroGPU's GPU worker) never starts from a
+    half-written template; the child gets fresh locks, and its scheduler restarts (see `Scheduler`)."""
+    _HELD[:] = list(_OPEN)
+    for engine in _HELD:
+        engine._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for engine in _HELD:
+        engine._lock.release()
+    _HELD.clear()
+
+
+def _after_fork_in_child() -> None:
+    for engine in _HELD:
+        engine._lock = threading.RLock()
+    _HELD.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
 def _describe(mix: Mix) -> dict[str, Any]:
     """`adapter`/`strength` for the info dict: an id and a number for one adapter (None for none), lists for a mix."""
     if len(mix) <= 1:
         return {"adapter": mix[0][0] if mix else None, "strength": mix[0][1] if mix else None}
     return {"adapter": [i for i, _ in mix], "strength": [s for _, s in mix]}
-
-
-def _check_range(name: str, value) -> None:
-    lo, hi = LIMITS[name]
-    if not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise RequestError(f"{name} must be between {lo} and {hi}, got {value!r}.")

@@ -36,8 +36,16 @@ class CacheBudgetError(LoraManagerError):
 
 
 class RequestError(LoraManagerError):
-    """A generation parameter is out of range."""
+    """A request field has the wrong type, is out of range or too long; `field` names it."""
+
+    def __init__(self, message: str, field: str | None = None, adapter_id: str | None = None):
+        super().__init__(message, adapter_id)
+        self.field = field
 
 
 class QueueFullError(LoraManagerError):
     """The request queue is full: the server is busy and the client should retry."""
+
+
+class EngineClosedError(LoraManagerError):
+    """The engine was closed: it serves no more requests."""

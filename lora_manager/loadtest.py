@@ -72,12 +72,11 @@ def _changes(jobs: list[Job]) -> int:
 def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, name: str) -> RunReport:
     """K client threads submit their share of the jobs at once; the scheduler orders and groups them."""
     before = manager.stats()
-    waits_before = len(manager.scheduler.stats.waits_s)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         images = list(pool.map(lambda j: manager.generate(j.prompt, j.adapter, j.strength, j.seed).image, jobs))
     wall = time.perf_counter() - t0
-    waits = sorted(manager.scheduler.stats.waits_s[waits_before:])
+    waits = sorted(list(manager.scheduler.stats.waits_s)[-len(jobs):])  # this run's requests are the latest
     mismatches = sum(levels(img, refs[j]) > 1 for j, img in zip(jobs, images)) if refs else 0
     return RunReport(
         name=name,

@@ -29,6 +29,8 @@ class RemoteManager:
         self.url = url.rstrip("/")
         self.catalog, self._root = load_preset(preset)
         self.base_model = resolve_base_model(self.catalog, self._root)
+        local = self.base_model != self.catalog.base_model
+        self.model_name = f"{self.catalog.name}/{self.catalog.base_model}" if local else self.catalog.base_model
         self.generation_defaults = dict(self.catalog.generation)
         info = self._get("/info")
         self.target_rank: int = info["target_rank"]
@@ -71,13 +73,16 @@ class RemoteManager:
         return self._call("GET", path)
 
     def _call(self, method: str, path: str, **kwargs) -> Any:
-        """One HTTP call; the engine's refusals (400) come back as RequestError, anything else as one line."""
+        """One HTTP call; refusals (4xx, {"error", "field"}) come back as RequestError, anything else as one line."""
         try:
             r = httpx.request(method, f"{self.url}{path}", timeout=TIMEOUT_S, **kwargs)
         except httpx.HTTPError as e:
             raise LoraManagerError(f"Cannot reach the Ray Serve deployment at {self.url}: {e}") from e
-        if r.status_code in (400, 422):
-            raise RequestError(str(r.json().get("detail")))
         if r.is_error:
-            raise LoraManagerError(f"Ray Serve deployment at {self.url}: HTTP {r.status_code} on {path}.")
+            try:
+                error = r.json()
+                message, field = str(error["error"]), error.get("field")
+            except (ValueError, KeyError, TypeError):
+                raise LoraManagerError(f"Ray Serve deployment at {self.url}: HTTP {r.status_code} on {path}.") from None
+            raise (RequestError(message, field=field) if 400 <= r.status_code < 500 else LoraManagerError(message))
         return r.json()

@@ -8,14 +8,17 @@ request has waited `max_wait_s`, it serves the oldest request instead, so no ada
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
+import weakref
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import QueueFullError
-from .slots import Mix
+from .errors import EngineClosedError, QueueFullError
+from .request_schema import Mix
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,21 @@ class _Queued:
     enqueued: float
 
 
+WAIT_WINDOW = 1024  # queue waits kept for percentiles: a server that runs for weeks keeps the recent ones only
+
+
 @dataclass
 class SchedulerStats:
     completed: int = 0
     batches: int = 0
     adapter_changes: int = 0  # times the next run's adapter differed from the live one (a swap)
-    max_wait_s: float = 0.0
-    waits_s: list[float] = field(default_factory=list)
+    max_wait_s: float = 0.0  # over the whole run
+    waits_s: deque[float] = field(default_factory=lambda: deque(maxlen=WAIT_WINDOW))  # the latest, oldest first
+
+    def wait_percentile(self, q: float) -> float | None:
+        """The q-th percentile (0-100) of the latest `WAIT_WINDOW` queue waits; None before the first request."""
+        waits = sorted(self.waits_s)
+        return waits[round(q / 100 * (len(waits) - 1))] if waits else None
 
 
 class Scheduler:
@@ -75,10 +86,15 @@ class Scheduler:
         self.max_wait_s = max_wait_s
         self.max_batch = max_batch
         self.stats = SchedulerStats()
-        self._queue: list[_Queued] = []
-        self._cond = threading.Condition()
         self._order = itertools.count()
         self._streak = 0
+        self._closed = False
+        self._start()
+        _LIVE.add(self)
+
+    def _start(self) -> None:
+        self._queue: list[_Queued] = []
+        self._cond = threading.Condition()
         self._worker = threading.Thread(target=self._loop, name="lora-scheduler", daemon=True)
         self._worker.start()
 
@@ -86,6 +102,8 @@ class Scheduler:
         """Queue a request; a full queue answers at once with QueueFullError rather than waiting without bound."""
         future: Future = Future()
         with self._cond:
+            if self._closed:
+                raise EngineClosedError("The engine is closed; create a new one to serve requests.")
             if len(self._queue) >= self.max_queue:
                 raise QueueFullError(f"Busy: {len(self._queue)} requests are queued (limit {self.max_queue}); retry.")
             self._queue.append(_Queued(request, future, next(self._order), time.monotonic()))
@@ -96,13 +114,33 @@ class Scheduler:
         with self._cond:
             return len(self._queue)
 
+    def close(self) -> None:
+        """Stop the worker after the batch it is running; queued requests fail with EngineClosedError."""
+        with self._cond:
+            self._closed = True
+            dropped, self._queue = self._queue, []
+            self._cond.notify_all()
+        for q in dropped:
+            q.future.set_exception(EngineClosedError("The engine was closed before this request ran."))
+        if self._worker is not threading.current_thread():
+            self._worker.join()
+        _LIVE.discard(self)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._cond.wait()
+                if self._closed:
+                    return
                 batch = self._pick()
             self._run(batch)
+
+    def _restart_in_child(self) -> None:
+        """After a fork (ZeroGPU runs each GPU call in a process forked from the app) the worker thread does not exist
+        in the child, and the parent's queued requests belong to callers that live in the parent: start afresh."""
+        if not self._closed:
+            self._start()
 
     def _pick(self) -> list[_Queued]:
         """Choose the next group (caller holds the condition): live adapter first, within the fairness bounds."""
@@ -145,3 +183,7 @@ class Scheduler:
         for q, result in zip(group, results):
             self.stats.completed += 1
             q.future.set_result(result)
+
+
+_LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # open schedulers, restarted in a forked child
+os.register_at_fork(after_in_child=lambda: [s._restart_in_child() for s in list(_LIVE)])

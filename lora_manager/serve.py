@@ -3,7 +3,9 @@
     python -m lora_manager serve --replicas 2 [--preset tiny] [--port 8000] [--routing affinity|default]
 
 `POST /generate` takes JSON {"prompt", "adapter", "strength", "seed", "steps"} and answers {"image_png_base64",
-"info"} (info as in `Result.info`, plus the replica that served it). Adapter ids are Ray Serve's multiplexed model
+"info"} (info as in `Result.info`, plus the replica that served it). A refused request gets a 4xx with
+{"error": message, "field": the field at fault or null} (the engine's request schema, checked before anything is
+queued; a body over `MAX_BODY_BYTES` gets 413), a busy server 503, a real fault 500 with a plain message. Adapter ids are Ray Serve's multiplexed model
 ids and each replica's CPU store is its adapter cache. Routing:
 
 - `default`: Ray Serve's own multiplexed routing (power of two choices among replicas that hold the id);
@@ -18,20 +20,22 @@ a retry returns the same image and each request gets exactly one answer).
 import asyncio  # no `from __future__ import annotations`: FastAPI reads the body type at runtime
 import base64
 import io
+import json
 import logging
 from collections import Counter
 from typing import Any
 
 import ray
-from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from .errors import LoraManagerError
+from .errors import LoraManagerError, QueueFullError, RequestError, UnknownAdapterError
+from .request_schema import FIELDS, MAX_BODY_BYTES, check_request, shorten
 from .routing import rank_by_affinity
 
 log = logging.getLogger(__name__)
@@ -41,21 +45,46 @@ ROUTINGS = ("affinity", "default")
 api = FastAPI(title="lora-hotswap")
 
 
-class GenerateBody(BaseModel):
-    prompt: str
-    adapter: str | list | None = None  # an id, or ids / [id, strength] pairs up to the replicas' slots
-    strength: float = 1.0
-    seed: int = 0
-    steps: int | None = None
+DEFAULTS = {"adapter": None, "strength": 1.0, "seed": 0, "steps": None}  # every field but the prompt may be left out
 
 
-def _routing_key(adapter: str | list | None) -> str:
-    """The multiplexed model id: the adapter, or the first of a combination ('' for the base model). Defined above
-    the deployments: Ray serializes a deployment class when it is decorated, with the globals it finds then."""
-    if isinstance(adapter, list) and adapter:
-        first = adapter[0]
-        return first if isinstance(first, str) else str(first[0])
-    return adapter if isinstance(adapter, str) else ""
+def refusal(status: int, message: str, field: str | None = None) -> JSONResponse:
+    """The error format of every refused request. Defined above the deployments: Ray serializes a deployment class
+    when it is decorated, with the globals it finds then."""
+    return JSONResponse({"error": message, "field": field}, status_code=status)
+
+
+def error_answer(e: LoraManagerError) -> dict[str, Any]:
+    """An engine refusal as data, so it crosses Ray without a traceback."""
+    status = 503 if isinstance(e, QueueFullError) else 400
+    field = getattr(e, "field", None) or ("adapter" if isinstance(e, UnknownAdapterError) else None)
+    return {"error": str(e), "field": field, "status": status}
+
+
+class BodyTooLargeError(RequestError):
+    """Answered with 413."""
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """The JSON object of a request, read in chunks up to `MAX_BODY_BYTES`; raises RequestError."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise BodyTooLargeError(f"request body is larger than the limit of {MAX_BODY_BYTES} bytes.", field="body")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON ({e.__class__.__name__}).", field="body") from e
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object with {list(FIELDS)}, got {shorten(body)}.",
+                           field="body")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise RequestError(f"unknown field {shorten(unknown[0])}; the fields are {list(FIELDS)}.", field=unknown[0][:60])
+    if "prompt" not in body:
+        raise RequestError("prompt is missing.", field="prompt")
+    return {**DEFAULTS, **body}
 
 
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
@@ -108,11 +137,15 @@ class LoraReplica:
         return adapter_id
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        if serve.get_multiplexed_model_id():  # the routing key: the request's (first) adapter
-            await self.adapter(serve.get_multiplexed_model_id())
-        result = await asyncio.to_thread(
-            self.manager.generate, body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"]
-        )
+        """The image and info, or the engine's refusal as {"error", "field", "status"}."""
+        try:
+            if serve.get_multiplexed_model_id():  # the routing key: the request's (first) adapter
+                await self.adapter(serve.get_multiplexed_model_id())
+            result = await asyncio.to_thread(
+                self.manager.generate, body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"]
+            )
+        except LoraManagerError as e:
+            return error_answer(e)
         buffer = io.BytesIO()
         result.image.save(buffer, format="PNG")
         return {
@@ -127,27 +160,40 @@ class LoraReplica:
                 "adapters": [a.as_dict() for a in m.adapters()], "errors": m.errors, "stats": m.stats()}
 
 
-@serve.deployment
+@serve.deployment(ray_actor_options={"num_cpus": 0})  # it only awaits replicas: no core of its own
 @serve.ingress(api)
 class Ingress:
     """HTTP front: validates the body, tags the call with its adapter, retries when a replica dies."""
 
     def __init__(self, replicas: DeploymentHandle):
         self.replicas = replicas
+        self.slots: int | None = None  # the replicas' hotswap slots, asked once
 
     @api.post("/generate")
-    async def generate(self, body: GenerateBody) -> dict[str, Any]:
-        handle = self.replicas.options(multiplexed_model_id=_routing_key(body.adapter))
+    async def generate(self, request: Request):
+        try:
+            body = await read_body(request)
+            if self.slots is None:
+                self.slots = (await self.replicas.describe.remote())["slots"]
+            req = check_request(body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"],
+                                self.slots)
+        except RequestError as e:
+            return refusal(413 if isinstance(e, BodyTooLargeError) else 400, str(e), e.field)
+        handle = self.replicas.options(multiplexed_model_id=req.adapters[0][0] if req.adapters else "")
         for attempt in range(1, RETRIES + 1):
             try:
-                answer = await handle.generate.remote(body.model_dump())
-                answer["info"]["attempts"] = attempt
-                return answer
-            except LoraManagerError as e:  # a bad request: the replica is fine, do not retry
-                raise HTTPException(status_code=400, detail=str(e)) from e
+                answer = await handle.generate.remote(body)
             except RayActorError as e:
                 log.warning("replica died under a request (attempt %d of %d): %s", attempt, RETRIES, e)
-        raise HTTPException(status_code=503, detail=f"no replica could serve the request in {RETRIES} attempts")
+                continue
+            except Exception as e:  # a fault, not the request's: logged here, a plain message for the client
+                log.exception("replica failed on a request")
+                return refusal(500, f"the server failed on this request ({type(e).__name__}); it is logged.")
+            if "error" in answer:
+                return refusal(answer["status"], answer["error"], answer["field"])
+            answer["info"]["attempts"] = attempt
+            return answer
+        return refusal(503, f"no replica could serve the request in {RETRIES} attempts; retry.")
 
     @api.get("/info")
     async def info(self) -> dict[str, Any]:
@@ -185,13 +231,36 @@ def app_builder(args: dict[str, Any]):
     return build_app(**args)
 
 
+def size_replicas(replicas: int, cpus: float, gpus: float, cpus_per_replica: float | None) -> tuple[float, float]:
+    """(num_cpus, num_gpus) per replica on a cluster with `cpus` and `gpus`: the CPUs shared out evenly unless
+    `cpus_per_replica` is given, one GPU each where there are GPUs. Raises ValueError, naming what is needed and the
+    flag to change, where Ray could never place them (it would wait forever)."""
+    if replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {replicas}.")
+    per_gpu = 1.0 if gpus else 0.0
+    if replicas * per_gpu > gpus:
+        raise ValueError(f"{replicas} replicas need one GPU each, but Ray sees {gpus:g}: pass --replicas {int(gpus)}.")
+    per_cpu = cpus / replicas if cpus_per_replica is None else cpus_per_replica
+    if replicas * per_cpu > cpus:
+        raise ValueError(
+            f"{replicas} replicas x {per_cpu:g} CPUs need {replicas * per_cpu:g} CPUs, but Ray sees {cpus:g}: pass "
+            f"--cpus-per-replica {cpus / replicas:g} (or leave it out to share the CPUs evenly), or fewer --replicas."
+        )
+    return per_cpu, per_gpu
+
+
 def main(args) -> None:
     """`python -m lora_manager serve`: a local Ray instance (or `--address`), the app on `--host:--port`."""
-    import torch
-
     ray.init(address=args.address, include_dashboard=False)
-    gpus = 1.0 if torch.cuda.is_available() else 0.0
+    resources = ray.cluster_resources()
+    try:
+        cpus, gpus = size_replicas(args.replicas, resources.get("CPU", 0.0), resources.get("GPU", 0.0),
+                                   args.cpus_per_replica)
+    except ValueError as e:
+        ray.shutdown()
+        raise SystemExit(f"serve: {e}") from e
+    print(f"serve: {args.replicas} replicas, {cpus:g} CPUs and {gpus:g} GPUs each", flush=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(args.preset, args.replicas, args.routing, args.compile, args.slots, num_gpus=gpus,
-                    num_cpus=args.cpus_per_replica)
+                    num_cpus=cpus, threads=max(1, int(cpus)))
     serve.run(app, name="lora-hotswap", route_prefix="/", blocking=True)

@@ -106,8 +106,8 @@ def test_unknown_adapter_and_out_of_range_requests(manager):
             manager.generate(PROMPT, adapter="r4_attn", **kw)
 
 
-def test_compiled_swaps_never_recompile(compiled_manager, references, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_compiled_swaps_never_recompile(compiled_manager, references):
     steps = SEQUENCE + [("r4_kohya_te", 1.0), ("r4_kohya_te", 0.4), ("r8_kohya", 1.5)] + SEQUENCE[:8]
     assert len(steps) >= 20
     checked = 0

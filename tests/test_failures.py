@@ -117,9 +117,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_refused_adapter_leaves_live_adapter_bit_identical(case, bad, compiled_manager, live_output, monkeypatch):
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_refused_adapter_leaves_live_adapter_bit_identical(case, bad, compiled_manager, live_output):
     m = compiled_manager
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     path, error, text = bad[case]
     snapshot, recompiles = snapshot_slots(m), m.recompiles
     with pytest.raises(error, match=text) as info:

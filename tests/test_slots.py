@@ -10,7 +10,8 @@ import torch
 from conftest import PROMPT, assert_same_slots, load_tiny, make_catalog, mix_reference, snapshot_slots
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError, UnknownAdapterError
-from lora_manager.slots import assign_slots, normalize_mix
+from lora_manager.request_schema import normalize_mix
+from lora_manager.slots import assign_slots
 
 # Pairs with different ranks, alphas and target sets: attention-only with attention+ff+conv (ranks 4/7, alphas 4/11),
 # a half-alpha rank 16 with a text-encoder adapter, and two kohya files (one with a text-encoder part).
@@ -56,11 +57,13 @@ def test_normalize_mix_accepts_every_request_form_and_refuses_bad_ones():
         normalize_mix(7, 1.0, 2)
 
 
-def test_assign_slots_keeps_live_adapters_in_place():
-    assert assign_slots([None, None], ["a", "b"]) == ["a", "b"]
+def test_assign_slots_orders_by_id_and_keeps_fitting_live_adapters_in_place():
+    assert assign_slots([None, None], ["b", "a"]) == ["a", "b"]
     assert assign_slots(["a", "b"], ["b", "a"]) == ["a", "b"]  # order in the request does not move anything
-    assert assign_slots(["a", "b"], ["b", "c"]) == ["c", "b"]  # b stays; c overwrites a
-    assert assign_slots(["a", None, "b"], ["c"]) == [None, "c", None]  # empty slot first; the rest emptied
+    assert assign_slots(["a", "c"], ["b", "c"]) == ["b", "c"]  # c stays; b overwrites a
+    assert assign_slots(["a", "b"], ["b", "c"]) == ["b", "c"]  # b must come before c: both move
+    assert assign_slots([None, "b", None], ["a", "c"]) == ["a", "c", None]  # two writes: a added, b becomes c
+    assert assign_slots(["a", None, "b"], ["c"]) == ["c", None, None]  # two writes, not three; the rest emptied
     assert assign_slots(["a", "b"], []) == [None, None]
     with pytest.raises(RequestError):
         assign_slots(["a"], ["a", "b"])
@@ -75,6 +78,7 @@ def test_mix_equals_plain_diffusers_set_adapters(slots3, adapter_dir, mix):
 
 
 def test_a_sequence_of_mixes_reuses_live_slots(slots3, adapter_dir):
+    slots3.generate(PROMPT, adapter=None)
     slots3.generate(PROMPT, adapter=PAIRS[0])
     before = slots3.stats()["live"]
     out = image(slots3, [("r7_conv", 0.4), ("r16_half", 1.0)])  # r7_conv is live: only r16_half is copied
@@ -88,8 +92,21 @@ def test_a_sequence_of_mixes_reuses_live_slots(slots3, adapter_dir):
     assert levels(image(slots3, None), ref(adapter_dir, [])) <= 1  # every slot back to zero
 
 
-def test_mixed_requests_on_a_compiled_engine_never_recompile(compiled_manager, adapter_dir, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+def test_the_same_request_gives_the_same_bytes_whatever_the_slots_held(slots3):
+    """LoRA branches are summed in slot order and float sums depend on order: a request's adapters always sit in
+    the order of their ids."""
+    mix = [("r4_attn", 0.7), ("r7_conv", 1.0)]
+    histories = [None, [("r7_conv", 1.0)], [("r16_half", 1.0), ("r4_attn", 0.5), ("r6_te", 1.0)],
+                 [("r8_kohya", 1.0), ("r7_conv", 0.3)], [("r7_conv", 0.2), ("r6_te", 1.0)]]
+    outputs = []
+    for history in histories:
+        slots3.generate(PROMPT, adapter=history)
+        outputs += [image(slots3, mix), image(slots3, mix[::-1])]
+    assert all(np.array_equal(outputs[0], out) for out in outputs[1:])
+
+
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_mixed_requests_on_a_compiled_engine_never_recompile(compiled_manager, adapter_dir):
     m = compiled_manager
     requests = [PAIRS[0], None, [("r7_conv", 0.6)], PAIRS[1], [("r6_te", 1.0), ("r4_attn", 0.3)], PAIRS[2],
                 [("r16_half", 1.5)], [("r4_kohya_te", 0.7), ("r16_half", 0.2)], None, PAIRS[0]] * 2 + [TRIPLE[:2]]

@@ -342,6 +342,16 @@ def write_outputs(out: Path, specs: list[AdapterSpec]) -> None:
     grid.make_grid(out, out / "grid.png", pipe)
 
 
+def run_in_float32(folder: Path) -> None:
+    """Weights stay fp16 on disk (half the size), but transformers loads a text encoder in the dtype its config
+    names, while diffusers loads its models in float32: plain `DiffusionPipeline.from_pretrained(folder)` would mix
+    fp16 and fp32 and fail on the CPU. So the text encoder's config says float32."""
+    config = folder / "text_encoder" / "config.json"
+    data = json.loads(config.read_text())
+    data["dtype"] = "float32"
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def build(out: Path, budget: Budget, seed: int, threads: int) -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -369,6 +379,7 @@ def build(out: Path, budget: Budget, seed: int, threads: int) -> None:
     for sub in ("model", "adapters", "previews"):  # stale files from an older build must not survive
         shutil.rmtree(out / sub, ignore_errors=True)
     pipe.to(torch.float16).save_pretrained(out / "model", safe_serialization=True)
+    run_in_float32(out / "model")
     times["base"] = time.time() - t0
 
     specs = [s for s in ZOO if s.id in budget.adapters]

@@ -1,0 +1,291 @@
+"""Every public edge under hostile and careless input: the Gradio API (queued and direct routes) of `python app.py` and
+the HTTP server of `python -m lora_manager serve`. Each refusal names the field, and a normal request afterwards gives
+the same bytes as before it."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import PROMPT, ROOT
+from test_app_api import _free_port, running_app
+
+from lora_manager.request_schema import MAX_BODY_BYTES, MAX_PROMPT_CHARS
+
+NORMAL = [PROMPT, "frame", 1.0, 0, 2]  # prompt, adapter, strength, seed, steps
+MAX_ECHO = 400  # characters: a refusal never echoes a long value whole
+
+# (case, the five /generate values, the field the message must name)
+HOSTILE = [
+    ("strength as text", [PROMPT, "frame", "abc", 0, 2], "strength"),
+    ("strength None", [PROMPT, "frame", None, 0, 2], "strength"),
+    ("strength out of range", [PROMPT, "frame", 5.0, 0, 2], "strength"),
+    ("strength a bool", [PROMPT, "frame", True, 0, 2], "strength"),
+    ("seed as text", [PROMPT, "frame", 1.0, "x", 2], "seed"),
+    ("seed negative", [PROMPT, "frame", 1.0, -1, 2], "seed"),
+    ("seed fractional", [PROMPT, "frame", 1.0, 1.5, 2], "seed"),
+    ("seed too large", [PROMPT, "frame", 1.0, 2**40, 2], "seed"),
+    ("seed None", [PROMPT, "frame", 1.0, None, 2], "seed"),
+    ("steps zero", [PROMPT, "frame", 1.0, 0, 0], "steps"),
+    ("steps as text", [PROMPT, "frame", 1.0, 0, "ten"], "steps"),
+    ("steps too many", [PROMPT, "frame", 1.0, 0, 1000], "steps"),
+    ("steps fractional", [PROMPT, "frame", 1.0, 0, 2.5], "steps"),
+    ("prompt None", [None, "frame", 1.0, 0, 2], "prompt"),
+    ("prompt too long", ["a" * (MAX_PROMPT_CHARS + 1), "frame", 1.0, 0, 2], "prompt"),
+    ("prompt of 3 MB", ["a" * 3_000_000, "frame", 1.0, 0, 2], "prompt"),
+    ("adapter the number 0", [PROMPT, 0, 1.0, 0, 2], "adapter"),
+    ("adapter an empty object", [PROMPT, {}, 1.0, 0, 2], "adapter"),
+    ("adapter [5]", [PROMPT, [5], 1.0, 0, 2], "adapter"),
+    ("adapter [{}]", [PROMPT, [{}], 1.0, 0, 2], "adapter"),
+    ("adapter [[]]", [PROMPT, [[]], 1.0, 0, 2], "adapter"),
+    ("adapter [null]", [PROMPT, [None], 1.0, 0, 2], "adapter"),
+    ("adapter id of 100 KB", [PROMPT, "x" * 100_000, 1.0, 0, 2], "adapter"),
+    ("adapter unknown", [PROMPT, "nope", 1.0, 0, 2], "adapter"),
+    ("adapter strength as text", [PROMPT, [["frame", "1"]], 1.0, 0, 2], "strength"),
+    ("adapter strength out of range", [PROMPT, [["frame", 9]], 1.0, 0, 2], "strength"),
+    ("adapter twice", [PROMPT, [["frame", 1.0], ["frame", 0.5]], 1.0, 0, 2], "twice"),
+    ("more adapters than slots", [PROMPT, ["frame", "dots", "pixel"], 1.0, 0, 2], "slot"),
+    ("a flood of adapter entries", [PROMPT, [""] * 10_000, 1.0, 0, 2], "adapter"),
+]
+
+
+def _digest_png(data: bytes) -> str:
+    from io import BytesIO
+
+    from PIL import Image
+
+    return hashlib.sha256(Image.open(BytesIO(data)).convert("RGB").tobytes()).hexdigest()
+
+
+# ---- the Gradio app -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with running_app() as url:
+        yield url.rstrip("/")
+
+
+def direct(url: str, data: list, api_name: str = "generate") -> httpx.Response:
+    """Gradio's direct route: no queue, no concurrency limit."""
+    return httpx.post(f"{url}/gradio_api/run/{api_name}", json={"data": data}, timeout=300)
+
+
+def normal_digest(url: str) -> str:
+    r = direct(url, NORMAL)
+    assert r.status_code == 200, r.text
+    return _digest_png(httpx.get(r.json()["data"][0]["url"], timeout=60).content)
+
+
+@pytest.fixture(scope="module")
+def baseline(app_url) -> str:
+    return normal_digest(app_url)
+
+
+def queued(url: str, data: list, api_name: str = "generate") -> str:
+    """Gradio's queued route as a plain HTTP client uses it: POST the call, read its event stream; the error text."""
+    r = httpx.post(f"{url}/gradio_api/call/{api_name}", json={"data": data}, timeout=60)
+    assert r.status_code == 200, r.text
+    stream = httpx.get(f"{url}/gradio_api/call/{api_name}/{r.json()['event_id']}", timeout=300).text
+    assert "event: error" in stream, stream[:500]
+    return stream.split("event: error", 1)[1].split("data:", 1)[1].strip()
+
+
+@pytest.mark.parametrize("case,data,field", HOSTILE, ids=[c for c, _, _ in HOSTILE])
+def test_gradio_refuses_naming_the_field(app_url, baseline, case, data, field):
+    r = direct(app_url, data)
+    assert r.status_code == 500 and field in r.json()["error"], r.text[:500]  # Gradio answers errors with 500
+    assert len(r.json()["error"]) < MAX_ECHO
+    message = queued(app_url, data)
+    assert field in message and len(message) < MAX_ECHO, message[:500]
+    assert normal_digest(app_url) == baseline
+
+
+def test_gradio_lone_surrogate_and_nan_as_raw_json(app_url, baseline):
+    for text, field in [('{"data": ["a\\ud800", "frame", 1.0, 0, 2]}', "prompt"),
+                        ('{"data": ["a", "frame", NaN, 0, 2]}', "strength"),
+                        ('{"data": ["a", "frame", 1.0, 0, Infinity]}', "steps")]:
+        r = httpx.post(f"{app_url}/gradio_api/run/generate", content=text,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 500 and field in r.json()["error"], r.text[:300]
+    assert normal_digest(app_url) == baseline
+
+
+def test_gradio_wrong_input_counts_and_internal_events_answer_with_a_message(app_url, baseline):
+    assert "needed: 5, got: 3" in direct(app_url, NORMAL[:3]).json()["error"]
+    assert "needed: 5, got: 1" in direct(app_url, NORMAL[:1]).json()["error"]
+    config = httpx.get(f"{app_url}/config", timeout=60).json()
+    internal = [d["id"] for d in config["dependencies"] if d.get("api_visibility") != "public"]
+    public = {d["api_name"] for d in config["dependencies"] if d.get("api_visibility") == "public"}
+    assert public == {"generate", "add_adapter", "strategies"}, public
+    for fn_index in internal:
+        for data in ([None] * 12, ["x"] * 12, [{"a": 1}] * 12):
+            r = httpx.post(f"{app_url}/gradio_api/run/predict", json={"data": data, "fn_index": fn_index},
+                           timeout=60)
+            assert r.status_code in (200, 500) and (r.status_code == 200 or r.json().get("error")), r.text[:300]
+    assert normal_digest(app_url) == baseline
+
+
+def test_gradio_add_adapter_refuses_long_or_odd_values_briefly(app_url, baseline):
+    for repo_id, weight_name in [("a/" + "b" * 100_000, ""), (5, ""), ("../etc/passwd", ""), ("a/b", "c" * 5000)]:
+        r = direct(app_url, [repo_id, weight_name], "add_adapter")
+        text = r.json().get("error") or json.dumps(r.json().get("data"))
+        assert len(text) < MAX_ECHO and ("Refused" in text or "must be" in text), text[:500]
+    assert normal_digest(app_url) == baseline
+
+
+def test_gradio_upload_route_takes_nothing_big(app_url):
+    r = httpx.post(f"{app_url}/gradio_api/upload", files={"files": ("big.bin", b"x" * 2_000_000)}, timeout=60)
+    assert r.status_code == 413
+
+
+def test_gradio_concurrent_calls_to_every_endpoint(app_url, baseline):
+    """Generate, add_adapter and three benchmark runs at once on the direct route: one measurement runs, the others
+    are refused at once; nothing breaks, and a later measurement works."""
+    calls = [("strategies", [2])] * 3 + [("generate", NORMAL)] * 3 + [("add_adapter", ["nobody/x" * 3, ""])]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        answers = list(pool.map(lambda c: direct(app_url, c[1], c[0]), calls))
+    bench = answers[:3]
+    assert sum(r.status_code == 200 for r in bench) == 1, [r.text[:200] for r in bench]
+    assert all("already running" in r.json()["error"] for r in bench if r.status_code != 200)
+    assert all(r.status_code == 200 for r in answers[3:6])
+    digests = {_digest_png(httpx.get(r.json()["data"][0]["url"], timeout=60).content) for r in answers[3:6]}
+    assert digests == {baseline}
+    assert direct(app_url, [2], "strategies").status_code == 200
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_app_memory_flat_over_200_requests_with_the_largest_prompt():
+    with running_app("--slots", "1") as url:
+        url = url.rstrip("/")
+        pid = _app_pid(url)
+        longest = ("a red circle on a blue background " * 100)[:MAX_PROMPT_CHARS]
+        for _ in range(20):  # warm: allocator pools, the tokenizer's caches
+            assert direct(url, [longest, "frame", 1.0, 0, 1]).status_code == 200
+        before = _rss(pid)
+        for i in range(200):
+            prompt = longest if i % 2 else PROMPT
+            assert direct(url, [prompt, ["", "frame", "dots"][i % 3], 1.0, i, 1]).status_code == 200
+        grown = _rss(pid) / before - 1
+        assert grown < 0.10, f"resident memory grew {grown:.1%} over 200 requests"
+
+
+def _app_pid(url: str) -> int:
+    """The `python app.py --port N` process serving `url`."""
+    port = url.rsplit(":", 1)[1]
+    for entry in os.listdir("/proc"):
+        try:
+            argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if entry.isdigit() and any(a.endswith(b"app.py") for a in argv) and port.encode() in argv:
+            return int(entry)
+    raise LookupError(f"no app.py process on port {port}")
+
+
+# ---- the Ray Serve HTTP server --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python -m lora_manager serve` with one replica on a free port."""
+    pytest.importorskip("ray")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lora_manager", "serve", "--replicas", "1", "--slots", "2",
+                                 "--port", str(port)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/info", timeout=30).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail(f"serve not ready:\n{log.read_text()[-3000:]}")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def post(url: str, body) -> httpx.Response:
+    kwargs = {"content": body} if isinstance(body, (str, bytes)) else {"json": body}
+    return httpx.post(f"{url}/generate", timeout=300, headers={"content-type": "application/json"}, **kwargs)
+
+
+def http_digest(url: str) -> str:
+    r = post(url, dict(zip(("prompt", "adapter", "strength", "seed", "steps"), NORMAL)))
+    assert r.status_code == 200, r.text
+    return _digest_png(base64.b64decode(r.json()["image_png_base64"]))
+
+
+@pytest.fixture(scope="module")
+def http_baseline(server) -> str:
+    return http_digest(server)
+
+
+def assert_refused(r: httpx.Response, status: int, field: str) -> None:
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    body = r.json()
+    assert set(body) == {"error", "field"} and len(body["error"]) < MAX_ECHO, body
+    assert field in body["error"] or body["field"] == field, body
+    assert "Traceback" not in r.text and "\x1b[" not in r.text and str(ROOT) not in r.text
+
+
+def test_http_refuses_every_hostile_value_naming_the_field(server, http_baseline):
+    for case, data, field in HOSTILE:
+        body = dict(zip(("prompt", "adapter", "strength", "seed", "steps"), data))
+        r = post(server, body)
+        too_big = len(r.request.content) > MAX_BODY_BYTES  # refused before it is parsed
+        assert_refused(r, 413 if too_big else 400, "body" if too_big else field)
+    assert http_digest(server) == http_baseline
+
+
+@pytest.mark.parametrize("case,body,status,field", [
+    ("not JSON", "{prompt: nope", 400, "body"),
+    ("a JSON array", "[1, 2]", 400, "body"),
+    ("an unknown field", json.dumps({"prompt": PROMPT, "cfg": 9}), 400, "cfg"),
+    ("no prompt", json.dumps({"adapter": "frame"}), 400, "prompt"),
+    ("a lone surrogate", '{"prompt": "a\\ud800"}', 400, "prompt"),
+    ("NaN strength", '{"prompt": "a", "strength": NaN}', 400, "strength"),
+    ("infinite seed", '{"prompt": "a", "seed": Infinity}', 400, "seed"),
+    ("a 20 MB body", json.dumps({"prompt": "a" * 20_000_000}), 413, "body"),
+    ("not UTF-8", b'{"prompt": "\xff\xfe"}', 400, "body"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None)
+def test_http_refuses_malformed_bodies(server, http_baseline, case, body, status, field):
+    assert_refused(post(server, body), status, field)
+
+
+def test_http_info_names_models_as_users_know_them(server, http_baseline):
+    r = post(server, {"prompt": PROMPT, "adapter": [["frame", 0.5], ["dots", 1.0]]})
+    assert r.status_code == 200 and r.json()["info"]["base_model"] == "tiny/model"
+    info = httpx.get(f"{server}/info", timeout=60).text
+    assert str(ROOT) not in info and str(ROOT) not in r.text
+    with ThreadPoolExecutor(6) as pool:  # concurrent valid and hostile requests: each gets its own answer
+        answers = list(pool.map(lambda b: post(server, b), [{"prompt": PROMPT, "adapter": "frame", "steps": 2},
+                                                            {"prompt": 5}] * 3))
+    assert [a.status_code for a in answers] == [200, 400] * 3
+    assert http_digest(server) == http_baseline
