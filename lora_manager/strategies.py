@@ -56,7 +56,7 @@ class BenchAdapter:
         return sd
 
     def lora_config(self) -> dict:
-        """The LoraConfig kwargs to pass as `metadata=`: without them a dict load loses alpha (hotswap-facts #9)."""
+        """The LoraConfig kwargs to pass as `metadata=`: without them a dict load scales by 1 instead of alpha / r."""
         ranks = {m.rank for m in self.weights.modules.values()}
         alphas = {m.alpha for m in self.weights.modules.values()}
         if len(ranks) > 1 or len(alphas) > 1:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -34,6 +31,18 @@ ADAPTERS = {
     "r6_te": dict(rank=6, alpha=3, te_rank=6, te_alpha=12, seed=5),
     "r4_kohya_te": dict(rank=4, alpha=2, te_rank=4, te_alpha=8, kohya=True, seed=6),
 }
+
+
+SLOW = ("compile", "browser", "app", "ray", "notebook")  # markers registered in pyproject.toml
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A test that uses the compiled engine is a `compile` test; every test with a slow part is `slow`."""
+    for item in items:
+        if "compiled_manager" in getattr(item, "fixturenames", ()):
+            item.add_marker("compile")
+        if any(item.get_closest_marker(m) for m in SLOW):
+            item.add_marker("slow")
 
 
 def load_tiny() -> StableDiffusionPipeline:

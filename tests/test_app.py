@@ -12,6 +12,7 @@ import pytest
 from test_app_api import CATALOG, ROOT, adapter_ids, pytestmark, running_app  # noqa: F401 (pytestmark: skip without the preset)
 
 playwright = pytest.importorskip("playwright.sync_api")
+pytestmark = [pytest.mark.browser, pytest.mark.app]
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]

@@ -26,7 +26,8 @@ CATALOG = Path(PRESET) if PRESET.endswith(".json") else ROOT / "lora_manager" / 
 PROMPT = "a red circle on a blue background"
 READY_TIMEOUT_S = 240  # the shared 2-core CPU can be slow to import torch + diffusers + gradio
 
-pytestmark = pytest.mark.skipif(not CATALOG.is_file(), reason=f"no catalog at {CATALOG} (tiny preset not built yet)")
+pytestmark = [pytest.mark.app,
+              pytest.mark.skipif(not CATALOG.is_file(), reason=f"no catalog at {CATALOG} (tiny preset not built yet)")]
 
 
 def adapter_ids() -> list[str]:
@@ -165,7 +166,7 @@ def test_add_adapter_from_hub(client):
 
 
 def test_concurrent_api_requests_each_get_their_own_adapter(client):
-    """The second seed through the Gradio API: submitted together, each result equals the same request served alone."""
+    """Concurrent requests through the Gradio API: submitted together, each result equals the same request served alone."""
     jobs = [(adapter, seed) for seed in (5, 6) for adapter in ["", *adapter_ids()[:3]]]
     pending = [client.submit(PROMPT, a, 0.9, s, 4, api_name="/generate") for a, s in jobs]
     together = [_digest(job.result(timeout=300)[0]) for job in pending]

@@ -25,6 +25,9 @@ SWAP_KEYS = (
 )
 
 
+pytestmark = pytest.mark.slow  # builds and times every strategy on fresh pipelines
+
+
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")

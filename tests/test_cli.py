@@ -6,8 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ADAPTERS, ROOT
 from PIL import Image
+
+pytestmark = pytest.mark.slow  # each test starts a Python that imports torch and diffusers
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""The second seed: concurrent requests each get their own adapter, exactly as if served alone."""
+"""Concurrent requests each get their own adapter, exactly as if served alone."""
 
 from __future__ import annotations
 

@@ -8,10 +8,6 @@ import gc
 import io
 import multiprocessing
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
@@ -19,6 +15,7 @@ import pytest
 import torch
 from conftest import PROMPT, ROOT, TINY_MODEL
 from PIL import Image
+from servers import running_serve
 
 from lora_manager.scheduler import WAIT_WINDOW, Request, Scheduler
 
@@ -66,6 +63,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow
 def test_scheduler_memory_and_stats_stay_flat_over_10000_requests():
     scheduler = Scheduler(lambda batch: [r.seed for r in batch], lambda: frozenset(), max_queue=10_000)
     adapters = [(), (("a", 1.0),), (("b", 0.5),)]
@@ -101,38 +99,15 @@ def test_serve_sizes_replicas_to_the_machine_or_refuses_with_the_flag():
         size_replicas(4, cpus=16, gpus=2, cpus_per_replica=None)
 
 
+@pytest.mark.ray
 def test_readme_serve_command_answers_on_this_machine(tmp_path):
     """`python -m lora_manager serve --replicas 2`, exactly as the README gives it, on a 2-core machine."""
     pytest.importorskip("ray")
     command = "python -m lora_manager serve --replicas 2"
     assert command in (ROOT / "README.md").read_text()
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, *command.split()[1:]], cwd=ROOT, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        answer = _post_when_ready("http://127.0.0.1:8000", proc, log, timeout_s=300)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    image = Image.open(io.BytesIO(base64.b64decode(answer["image_png_base64"])))
-    assert image.size == (64, 64) and answer["info"]["adapter"] == "frame"
-
-
-def _post_when_ready(url: str, proc: subprocess.Popen, log, timeout_s: float) -> dict:
-    body = {"prompt": PROMPT, "adapter": "frame", "strength": 1.0, "seed": 0, "steps": 2}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            r = httpx.post(f"{url}/generate", json=body, timeout=120)
-            if r.status_code == 200:
-                return r.json()
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    pytest.fail(f"no answer in {timeout_s} s:\n{log.read_text()[-3000:]}")
+    with running_serve(command.split()[4:], 8000, tmp_path / "serve.log") as url:
+        body = {"prompt": PROMPT, "adapter": "frame", "strength": 1.0, "seed": 0, "steps": 2}
+        r = httpx.post(f"{url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text[:500]
+    image = Image.open(io.BytesIO(base64.b64decode(r.json()["image_png_base64"])))
+    assert image.size == (64, 64) and r.json()["info"]["adapter"] == "frame"

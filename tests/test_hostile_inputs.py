@@ -8,15 +8,12 @@ import base64
 import hashlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from conftest import PROMPT, ROOT
+from servers import running_serve
 from test_app_api import _free_port, running_app
 
 from lora_manager.request_schema import MAX_BODY_BYTES, MAX_PROMPT_CHARS
@@ -100,6 +97,7 @@ def queued(url: str, data: list, api_name: str = "generate") -> str:
     return stream.split("event: error", 1)[1].split("data:", 1)[1].strip()
 
 
+@pytest.mark.app
 @pytest.mark.parametrize("case,data,field", HOSTILE, ids=[c for c, _, _ in HOSTILE])
 def test_gradio_refuses_naming_the_field(app_url, baseline, case, data, field):
     r = direct(app_url, data)
@@ -110,6 +108,7 @@ def test_gradio_refuses_naming_the_field(app_url, baseline, case, data, field):
     assert normal_digest(app_url) == baseline
 
 
+@pytest.mark.app
 def test_gradio_lone_surrogate_and_nan_as_raw_json(app_url, baseline):
     for text, field in [('{"data": ["a\\ud800", "frame", 1.0, 0, 2]}', "prompt"),
                         ('{"data": ["a", "frame", NaN, 0, 2]}', "strength"),
@@ -120,6 +119,7 @@ def test_gradio_lone_surrogate_and_nan_as_raw_json(app_url, baseline):
     assert normal_digest(app_url) == baseline
 
 
+@pytest.mark.app
 def test_gradio_wrong_input_counts_and_internal_events_answer_with_a_message(app_url, baseline):
     assert "needed: 5, got: 3" in direct(app_url, NORMAL[:3]).json()["error"]
     assert "needed: 5, got: 1" in direct(app_url, NORMAL[:1]).json()["error"]
@@ -135,6 +135,7 @@ def test_gradio_wrong_input_counts_and_internal_events_answer_with_a_message(app
     assert normal_digest(app_url) == baseline
 
 
+@pytest.mark.app
 def test_gradio_add_adapter_refuses_long_or_odd_values_briefly(app_url, baseline):
     for repo_id, weight_name in [("a/" + "b" * 100_000, ""), (5, ""), ("../etc/passwd", ""), ("a/b", "c" * 5000)]:
         r = direct(app_url, [repo_id, weight_name], "add_adapter")
@@ -143,11 +144,13 @@ def test_gradio_add_adapter_refuses_long_or_odd_values_briefly(app_url, baseline
     assert normal_digest(app_url) == baseline
 
 
+@pytest.mark.app
 def test_gradio_upload_route_takes_nothing_big(app_url):
     r = httpx.post(f"{app_url}/gradio_api/upload", files={"files": ("big.bin", b"x" * 2_000_000)}, timeout=60)
     assert r.status_code == 413
 
 
+@pytest.mark.app
 def test_gradio_concurrent_calls_to_every_endpoint(app_url, baseline):
     """Generate, add_adapter and three benchmark runs at once on the direct route: one measurement runs, the others
     are refused at once; nothing breaks, and a later measurement works."""
@@ -168,6 +171,7 @@ def _rss(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.app
 def test_app_memory_flat_over_200_requests_with_the_largest_prompt():
     with running_app("--slots", "1") as url:
         url = url.rstrip("/")
@@ -201,34 +205,12 @@ def _app_pid(url: str) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`python -m lora_manager serve` with one replica on a free port."""
+    """`python -m lora_manager serve` with one replica and two slots on a free port."""
     pytest.importorskip("ray")
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lora_manager", "serve", "--replicas", "1", "--slots", "2",
-                                 "--port", str(port)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/info", timeout=30).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(f"serve not ready:\n{log.read_text()[-3000:]}")
+    args = ["--replicas", "1", "--slots", "2", "--port", str(port)]
+    with running_serve(args, port, tmp_path_factory.mktemp("serve") / "serve.log") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def post(url: str, body) -> httpx.Response:
@@ -255,6 +237,7 @@ def assert_refused(r: httpx.Response, status: int, field: str) -> None:
     assert "Traceback" not in r.text and "\x1b[" not in r.text and str(ROOT) not in r.text
 
 
+@pytest.mark.ray
 def test_http_refuses_every_hostile_value_naming_the_field(server, http_baseline):
     for case, data, field in HOSTILE:
         body = dict(zip(("prompt", "adapter", "strength", "seed", "steps"), data))
@@ -264,6 +247,7 @@ def test_http_refuses_every_hostile_value_naming_the_field(server, http_baseline
     assert http_digest(server) == http_baseline
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("case,body,status,field", [
     ("not JSON", "{prompt: nope", 400, "body"),
     ("a JSON array", "[1, 2]", 400, "body"),
@@ -279,6 +263,7 @@ def test_http_refuses_malformed_bodies(server, http_baseline, case, body, status
     assert_refused(post(server, body), status, field)
 
 
+@pytest.mark.ray
 def test_http_info_names_models_as_users_know_them(server, http_baseline):
     r = post(server, {"prompt": PROMPT, "adapter": [["frame", 0.5], ["dots", 1.0]]})
     assert r.status_code == 200 and r.json()["info"]["base_model"] == "tiny/model"

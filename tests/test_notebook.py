@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbconvert.preprocessors import ExecutePreprocessor
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -24,6 +25,7 @@ def test_notebook_matches_its_generator():
     assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in build.CELLS]
 
 
+@pytest.mark.notebook
 def test_notebook_runs_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the kernel inherits it: nothing may come from the network
     before = NOTEBOOK.read_bytes()

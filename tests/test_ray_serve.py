@@ -54,6 +54,7 @@ def report(deployment):
 LOADS = [f"{r} routing, {n}" for n in ("1 client", "2 clients") for r in ("default", "affinity")]
 
 
+@pytest.mark.ray
 def test_every_answer_equals_its_solo_reference(report):
     for name in LOADS:
         load = report[name]
@@ -61,6 +62,7 @@ def test_every_answer_equals_its_solo_reference(report):
         assert load["mismatches"] == 0, load
 
 
+@pytest.mark.ray
 def test_affinity_routing_never_swaps_when_the_adapter_is_live_somewhere(report):
     """One request at a time: both replicas are free, so the router alone decides; it must pick the replica that
     holds the request's adapter whenever one does. Under load it spreads requests over both replicas."""
@@ -71,6 +73,7 @@ def test_affinity_routing_never_swaps_when_the_adapter_is_live_somewhere(report)
     assert len(report["affinity routing, 2 clients"]["replicas"]) == 2
 
 
+@pytest.mark.ray
 def test_a_killed_replica_loses_no_request(report):
     load = report["affinity, one replica killed"]
     assert len(report["killed"]) == 1
@@ -78,6 +81,7 @@ def test_a_killed_replica_loses_no_request(report):
     assert load["mismatches"] == 0
 
 
+@pytest.mark.ray
 def test_the_app_runs_on_the_ray_backend(deployment, report):
     """`python app.py --backend ray`: the same UI and API, generation on the replicas (after the kill test: a
     replacement replica is serving by now)."""

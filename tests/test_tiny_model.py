@@ -158,10 +158,11 @@ def test_kohya_file_equals_diffusers_keys(pipe, tmp_path):
     assert np.abs(images[0] - base).max() > 1e-2  # the adapter actually did something
 
 
+@pytest.mark.slow
 def test_quick_build(tmp_path):
     out = tmp_path / "tiny"
     subprocess.run([sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(out), "--quick"],
-                   cwd=ROOT, check=True, timeout=240, capture_output=True)
+                   cwd=ROOT, check=True, timeout=600, capture_output=True)
     catalog = json.loads((out / "catalog.json").read_text())
     p = DiffusionPipeline.from_pretrained(out / catalog["base_model"], torch_dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
