@@ -83,7 +83,7 @@ class AdapterInfo:
     num_modules: int  # number of target modules, all components
     bytes: int  # CPU-memory size of its weights as held by the cache
     has_text_encoder: bool
-    format: str  # "diffusers", "peft" or "kohya"
+    format: str  # key layout family: "kohya", "peft", "peft+alpha", "diffusers", "xlabs", "comfyui" or "other"
     status: str  # "cached", "active", "evicted" (re-read on demand)
     spec: AdapterSpec | None = None
 

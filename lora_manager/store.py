@@ -6,7 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .adapter_file import AdapterWeights, ModuleLora
+from .adapter_file import AdapterWeights
 from .errors import CacheBudgetError
 
 
@@ -92,4 +92,4 @@ def _pinned_copy(weights: AdapterWeights) -> AdapterWeights:
     modules = {
         k: replace(m, A=m.A.pin_memory(), B=m.B.pin_memory()) for k, m in weights.modules.items()
     }
-    return AdapterWeights(modules=modules, format=weights.format)
+    return replace(weights, modules=modules)
