@@ -1,10 +1,11 @@
 """Gradio Space for lora_manager: one pipeline, many LoRAs chosen per request, hotswapped without recompiling.
 
     python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
-                  [--slots K] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860] [--share]
+                  [--slots K] [--max-batch B] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860]
+                  [--share]
 
-Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, GRADIO_SERVER_NAME,
-GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt, adapter, strength, seed,
+Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, LORA_MAX_BATCH,
+GRADIO_SERVER_NAME, GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt, adapter, strength, seed,
 steps) -> (image, info), where adapter is '' (none), an id, or a list of ids or [id, strength] pairs (up to K), and
 `/add_adapter` (repo_id, weight_name) -> status. All logic lives in lora_manager; this file only wires it.
 """
@@ -18,6 +19,7 @@ _T0 = time.time()  # "ready in" counts from here, before the heavy imports below
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
@@ -101,15 +103,15 @@ def _adapters_text(info: dict) -> str:
 
 def info_markdown(info: dict | None) -> str:
     """The human view of the info dict that /generate returns (anything else shows the placeholder)."""
-    try:
-        return _info_lines(info)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return "*Generate an image to see swap and generation times.*"
+    if isinstance(info, dict) and info:
+        try:
+            return _info_lines(info)
+        except (KeyError, TypeError, ValueError, AttributeError):  # not an info dict of /generate
+            pass
+    return "*Generate an image to see swap and generation times.*"
 
 
 def _info_lines(info: dict) -> str:
-    if not isinstance(info, dict) or not info:
-        raise ValueError("no info")
     cache = info.get("cpu_cache", {})
     held = ", ".join(f"`{k}` {_mb(v)}" for k, v in cache.get("adapters", {}).items()) or "none"
     return "  \n".join([
@@ -118,7 +120,8 @@ def _info_lines(info: dict) -> str:
         + (" *(longer than the text encoder reads: the end was cut off)*" if info.get("prompt_truncated") else ""),
         f"**swap:** {info['swap_ms']:.1f} ms · **generation:** {info['generate_ms'] / 1e3:.2f} s "
         f"({info.get('num_inference_steps', '?')} steps)",
-        f"**compiled:** {'yes' if info['compiled'] else 'no (eager)'} · **recompiles: {info['recompiles']}** since start",
+        f"**compiled:** {info.get('compile_source', 'yes') if info['compiled'] else 'no (eager)'} · "
+        f"**recompiles: {info['recompiles']}** since start",
         f"**CPU cache:** {len(cache.get('adapters', {}))} adapters, {_mb(cache.get('bytes'))} of "
         f"{_mb(cache.get('budget_bytes'))}: {held}",
     ])
@@ -134,10 +137,14 @@ def _text(value, name: str, limit: int) -> str:
 
 
 def _float(value, name: str, default: float) -> float:
+    """A UI number as a finite float (`default` when empty), refused with the field's name otherwise."""
     try:
-        return float(value) if value is not None else default
-    except (TypeError, ValueError) as e:
-        raise gr.Error(f"{name} must be a number, got {shorten(value)}.") from e
+        number = float(value) if value is not None else default
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise gr.Error(f"{name} must be a number, got {shorten(value)}.")
+    return number
 
 
 def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None) -> str:
@@ -191,7 +198,8 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
         held = {a.id: a.bytes for a in manager.adapters() if a.status != "evicted"}
         cache = {"adapters": held, "bytes": stats["cache_bytes"], "budget_bytes": stats["cache_budget_bytes"],
                  "hits": stats["cache_hits"], "misses": stats["cache_misses"], "evictions": stats["cache_evictions"]}
-        return result.image, {**result.info, "swap_ms_median": stats["swap_ms_median"], "cpu_cache": cache}
+        return result.image, {**result.info, "swap_ms_median": stats["swap_ms_median"], "cpu_cache": cache,
+                              "compile_source": stats.get("compile_source")}
 
     def add_adapter(repo_id: str, weight_name: str, progress=gr.Progress(track_tqdm=True)) -> str:
         """Download a LoRA from the Hub, check it against the loaded template and register it; returns a status."""
@@ -317,7 +325,7 @@ def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
 
         with gr.Tab("Strategies"):
             gr.Markdown(
-                "The seed question's options side by side, measured now on fresh copies of the embedded tiny model "
+                "Every way of switching adapters side by side, measured now on fresh copies of the embedded tiny model "
                 "(the live pipeline is not touched): reload per request, every adapter resident with "
                 "`set_adapters` (forward cost against the number resident), diffusers' `hotswap=True`, and this "
                 "engine's in-place swap, against the floor of copying the same bytes. "
@@ -382,6 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-mb", type=int, default=None, help="CPU adapter cache budget in MiB (default 4096)")
     p.add_argument("--slots", type=int, default=int(os.environ.get("LORA_SLOTS", 2)),
                    help="hotswap slots: LoRAs one request can combine (env LORA_SLOTS; default 2)")
+    p.add_argument("--max-batch", type=int, default=int(os.environ.get("LORA_MAX_BATCH", 4)),
+                   help="requests run in one pipeline call, whatever their LoRAs (env LORA_MAX_BATCH; default 4)")
     p.add_argument("--backend", choices=("local", "ray"), default=os.environ.get("LORA_BACKEND", "local"),
                    help="local: the engine in this process; ray: a `python -m lora_manager serve` deployment")
     p.add_argument("--ray-url", default=os.environ.get("LORA_RAY_URL", "http://127.0.0.1:8000"),
@@ -394,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    kwargs = {"target_rank": args.target_rank, "slots": args.slots}
+    kwargs = {"target_rank": args.target_rank, "slots": args.slots, "max_batch": args.max_batch}
     if args.cache_mb is not None:
         kwargs["cache_bytes"] = args.cache_mb * 2**20
     compile_ = False if ZERO_GPU else args.compile
@@ -415,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
                 css=CSS, allowed_paths=sorted(previews | ({str(none.parent)} if none else set())),
                 max_file_size=MAX_UPLOAD, show_error=True)
     print(f"ready in {time.time() - _T0:.1f} s at {demo.local_url} (preset {args.preset}, "
-          f"compiled {manager.compiled}, {len(manager.adapters())} adapters)", flush=True)
+          f"compiled: {manager.compile_source}, {len(manager.adapters())} adapters)", flush=True)
     demo.block_thread()
 
 

@@ -1,9 +1,10 @@
-"""Command line: `python -m lora_manager {generate,inspect,bench,loadtest,serve,servebench} ...`."""
+"""Command line: `python -m lora_manager {generate,inspect,compile-cache,bench,loadtest,serve,servebench} ...`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,24 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(json.dumps({"source": args.source, "file": str(path), **summarize(weights)}, indent=2))
 
 
+def cmd_compile_cache(args: argparse.Namespace) -> None:
+    """Compile the preset's engine once in an empty inductor cache and pack that cache as the preset's bundle."""
+    import tempfile
+
+    from . import compile_cache
+    from .engine import LoraManager
+
+    with tempfile.TemporaryDirectory() as fresh:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh  # read by inductor whenever it resolves its cache
+        m = LoraManager.from_preset(args.preset, compile=True, slots=args.slots, max_batch=args.max_batch)
+        if m.catalog_root is None:
+            raise SystemExit(f"compile-cache: preset {args.preset!r} has no folder to keep a bundle in")
+        path = compile_cache.build(compile_cache.bundle_path(m.catalog_root, m.compile_key), m.compile_key,
+                                   Path(fresh))
+    print(json.dumps({"bundle": str(path), "mb": round(path.stat().st_size / 2**20, 1),
+                      "compile_s": round(m.compile_s, 1), "key": m.compile_key.slug}, indent=2))
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from . import bench
 
@@ -56,7 +75,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_loadtest(args: argparse.Namespace) -> None:
     from . import loadtest
 
-    loadtest.main(args.clients, args.requests, args.seed, args.json, args.preset)
+    loadtest.main(args.clients, args.requests, args.seed, args.json, args.preset, args.max_batch, args.rounds)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -95,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--pipeline", choices=sorted(PIPELINES), default="sd", help="key layout to convert for")
     ins.set_defaults(func=cmd_inspect)
 
+    cc = sub.add_parser("compile-cache", help="build a preset's compile artifacts for this machine kind (see README)")
+    cc.add_argument("--preset", default="tiny")
+    cc.add_argument("--slots", type=int, default=int(os.environ.get("LORA_SLOTS", 2)),
+                    help="as the app runs it (env LORA_SLOTS; default 2)")
+    cc.add_argument("--max-batch", type=int, default=int(os.environ.get("LORA_MAX_BATCH", 4)),
+                    help="as the app runs it (env LORA_MAX_BATCH; default 4)")
+    cc.set_defaults(func=cmd_compile_cache)
+
     ben = sub.add_parser("bench", help="time every way of switching LoRAs side by side (JSON + plot)")
     ben.add_argument("--scale", choices=("tiny", "sdxl"), default="tiny")
     ben.add_argument("--repeats", type=int, default=10)
@@ -113,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--preset", default="tiny")
     load.add_argument("--json", type=Path, default=None)
+    load.add_argument("--max-batch", type=int, default=8, help="requests one pipeline call may hold")
+    load.add_argument("--rounds", type=int, default=3, help="the batching servers run in turn this many times")
     load.set_defaults(func=cmd_loadtest)
 
     srv = sub.add_parser("serve", help="Ray Serve: N replicas behind POST /generate, routed by adapter")

@@ -5,6 +5,11 @@ resident adapters, the engine-vs-hotswap output check and (--compile) recompiles
 --scale sdxl: an SDXL-size UNet built from its config with uninitialized weights (their values do not matter for
 swap timing; on CUDA they are filled so a forward can be timed) and random attention LoRAs of rank 64, 48 and 16.
 Nothing is downloaded. See `strategies.py` for what each number is.
+
+Mixed-adapter batches (`batched_lora`): a denoiser forward over MIXED_REQUESTS requests (classifier-free guidance: twice
+as many rows) without LoRA, with one template slot shared by every row (a same-adapter batch), and with gathered
+per-row LoRA over device slots holding different adapters, at the workload's rank and at rank 64. Where no forward
+can be timed (SDXL on CPU) the same code is timed on single SDXL-width attention projections instead.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from .adapter_file import AdapterWeights, ModuleLora, read_adapter
 from .catalog import load_preset, resolve_base_model
 from .sources import resolve
 from .store import AdapterStore
-from .swap import SLOT
+from .batched_lora import BatchRows, install
+from .swap import SLOT, LiveSlot, slot_names, template_state_dict
 from .validate import lora_shapes
 
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the keys that differ from diffusers' defaults).
@@ -54,6 +60,10 @@ ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # 560 modules in the SDXL UNet
 SDXL_ADAPTERS = (("r64a", 64, 64.0), ("r64b", 64, 32.0), ("r16", 16, 8.0), ("r48", 48, 24.0))
 RESIDENT_COUNTS = (1, 2, 5, 10)
 SLOT_COUNTS = (1, 2, 3)
+MIXED_REQUESTS = 8  # requests in one mixed batch (16 denoiser rows under classifier-free guidance)
+MIXED_RANKS = (64,)  # measured besides the workload's own target rank
+# SDXL attention projections (width, tokens at 1024x1024) for the per-layer estimate where no forward is timed
+SDXL_LAYERS = ((640, 4096), (1280, 1024))
 DEFAULT_DTYPE = {"tiny": "float32", "sdxl": "bfloat16"}
 COMPILE_SWAPS = 10
 TOLERANCE = 1e-5
@@ -120,6 +130,7 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
         modules = {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}
         slots = S.measure_slots(wl.make_unet, modules, wl.target_rank, wl.slot_weights, SLOT_COUNTS, wl.inputs,
                                 repeats)
+    mixed = measure_mixed(wl, repeats) if wl.inputs is not None else measure_mixed_layers(wl, max(1, repeats // 3))
     if wl.inputs is not None:
         engine_forward = S.timed(lambda _: S.forward(unet, wl.inputs), repeats, S.device_of(unet))
         if compile:
@@ -158,6 +169,7 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
             "forward_ms": [t.median_ms for t in slots.forward],
         } if slots else None,
         "compile": asdict(compiled) if compiled else None,
+        "mixed_batch": mixed,
         "check": check,
         "notes": notes,
     }
@@ -186,11 +198,89 @@ def _check(wl: Workload, slot, unet: nn.Module, hot_unet: nn.Module) -> dict:
     return out
 
 
+def prepare_gathered(unet: nn.Module, modules: set[str], rank: int, weights: list[AdapterWeights],
+                     requests: int) -> BatchRows:
+    """The engine's mixed-batch preparation on a bare denoiser (as `swap.prepare_template` with rows): one zero
+    template per device slot, re-based onto stacks, each slot filled with one of `weights`; row i picks slot i % D."""
+    unet.enable_lora_hotswap(target_rank=rank)
+    names = slot_names(len(weights))
+    for name in names:
+        sd = template_state_dict({"unet": unet}, {("unet", m) for m in modules}, rank, unet.dtype)
+        unet.load_lora_adapter(sd, prefix="unet", adapter_name=name, low_cpu_mem_usage=False)
+    rows = BatchRows([requests], 1, S.device_of(unet))
+    install({"unet": unet}, names, rows)
+    for name, w in zip(names, weights):
+        LiveSlot({"unet": unet}, rank, name).load(w, 1.0)
+    rows.write([[(i % len(weights), 1.0)] for i in range(requests)])
+    return rows
+
+
+def measure_mixed(wl: Workload, repeats: int) -> dict:
+    """Forward ms over MIXED_REQUESTS requests: no LoRA, one template slot for all rows, gathered per-row LoRA."""
+    inputs = _repeat_rows(wl.inputs, MIXED_REQUESTS)
+    modules = {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}
+    base = wl.make_unet()
+    out = {"requests": MIXED_REQUESTS, "rows": MIXED_REQUESTS * 2, "device_slots": len(wl.slot_weights),
+           "no_lora_ms": S.timed(lambda _: S.forward(base, inputs), repeats, S.device_of(base)).median_ms}
+    del base
+    for rank in (wl.target_rank, *MIXED_RANKS):
+        one = wl.make_unet()
+        S.prepare_slots(one, modules, rank, 1)[0].load(wl.slot_weights[0], 1.0)
+        same = S.timed(lambda _: S.forward(one, inputs), repeats, S.device_of(one)).median_ms
+        del one
+        gathered = wl.make_unet()
+        prepare_gathered(gathered, modules, rank, wl.slot_weights, MIXED_REQUESTS)
+        mixed = S.timed(lambda _: S.forward(gathered, inputs), repeats, S.device_of(gathered)).median_ms
+        del gathered
+        out[f"rank{rank}"] = {"one_slot_same_adapter_ms": same, "gathered_mixed_ms": mixed}
+    return out
+
+
+def measure_mixed_layers(wl: Workload, repeats: int) -> dict:
+    """Where the whole denoiser cannot be timed: one attention projection per SDXL width, as a Linear without LoRA,
+    with PEFT's single LoRA branch for all rows, and with the gathered per-row branch over the device slots."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    device = torch.device("cpu")  # only used where no forward can be timed, i.e. without CUDA
+    rows_n, slots, rank = MIXED_REQUESTS // 2, len(wl.slot_weights), wl.target_rank
+    out = {"requests": rows_n, "rows": rows_n * 2, "device_slots": slots, "rank": rank, "dtype": "float32",
+           "layers": []}
+    for width, tokens in SDXL_LAYERS:
+        model = nn.Sequential(nn.Linear(width, width)).to(device).requires_grad_(False)
+        x = torch.randn(rows_n * 2, tokens, width, device=device)
+        names = slot_names(slots)
+        with torch.no_grad():
+            base = S.timed(lambda _: model(x), repeats, device).median_ms
+            for name in names:
+                config = LoraConfig(r=rank, lora_alpha=rank, target_modules=["0"], init_lora_weights=False)
+                inject_adapter_in_model(config, model, adapter_name=name)
+            model[0].set_adapter([names[0]], inference_mode=True)
+            one = S.timed(lambda _: model(x), repeats, device).median_ms
+            rows = BatchRows([rows_n], 1, device)
+            install({"m": model}, names, rows)
+            rows.write([[(i % slots, 1.0)] for i in range(rows_n)])
+            gathered = S.timed(lambda _: model(x), repeats, device).median_ms
+        out["layers"].append({"width": width, "tokens": tokens, "no_lora_ms": base, "one_branch_ms": one,
+                              "gathered_mixed_ms": gathered})
+    return out
+
+
+def _repeat_rows(inputs: S.Inputs, requests: int) -> S.Inputs:
+    """The denoiser inputs of one request ([uncond; cond]) for `requests` requests: [uncond x N; cond x N]."""
+    def rep(v):
+        if isinstance(v, dict):
+            return {k: rep(t) for k, t in v.items()}
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.repeat_interleave(requests, dim=0)
+        return v
+    return {k: rep(v) for k, v in inputs.items()}
+
+
 # ---- workloads ----------------------------------------------------------------------------------------------------
 
 
 def tiny_workload(device: torch.device, dtype: torch.dtype) -> Workload:
-    """The tiny preset's denoiser-only adapters (diffusers cannot hotswap text encoders: hotswap-facts #4)."""
+    """The tiny preset's denoiser-only adapters (diffusers' hotswap reaches only the denoiser: a text-encoder part would leave the pipeline half-swapped)."""
     loader = StableDiffusionLoraLoaderMixin
     catalog, root = load_preset("tiny")
     model = Path(resolve_base_model(catalog, root))
@@ -366,6 +456,7 @@ def format_table(report: dict) -> str:
                      f"no LoRA layers {sl['base_forward_ms']:.2f} ms")
     if report["compile"]:
         lines.append(f"  compile: {report['compile']}")
+    lines.append(f"  mixed batch: {report['mixed_batch']}")
     lines.append(f"  check: {report['check']}")
     lines += [f"  note: {n}" for n in report["notes"]]
     return "\n".join(lines)

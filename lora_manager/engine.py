@@ -16,16 +16,18 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from . import compile_cache
 from .adapter_file import AdapterWeights, read_adapter
 from .catalog import load_preset, resolve_base_model
 from .errors import LoraManagerError, UnknownAdapterError
 from .scheduler import Request, Scheduler
 from .request_schema import Mix, check_request, shorten
-from .slots import assign_slots
+from .batched_lora import BatchRows
+from .slots import assign_slots, plan_resident
 from .sources import resolve
 from .store import AdapterStore
 from .specs import AdapterInfo, AdapterSpec, Catalog, Result
-from .swap import LiveSlot, compile_denoiser, prepare_template
+from .swap import DevicePrefetch, LiveSlot, compile_denoiser, prepare_template
 from .validate import check_adapter
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,9 @@ class LoraManager:
     """Serves a diffusers pipeline with many LoRAs: adapters chosen per request, swapped in place, never recompiled.
 
     `slots=K` lets one request combine up to K adapters, each at its own strength (K templates, swapped one by one).
+    `max_batch=B` > 1 runs up to B queued requests in one pipeline call whatever their adapters: `device_slots`
+    adapters (default max(K, B)) stay resident on the device and each row of the batch picks its own
+    (`batched_lora`). With `compile`, batches are padded to fixed sizes (1, 2, 4, ..., B), each compiled at start.
     """
 
     def __init__(
@@ -66,9 +71,15 @@ class LoraManager:
         max_queue: int = 64,
         max_batch: int = 1,
         slots: int = 1,
+        device_slots: int | None = None,
     ):
-        if slots < 1:
-            raise ValueError(f"slots must be at least 1, got {slots}.")
+        if slots < 1 or max_batch < 1:
+            raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
+        mixed = max_batch > 1
+        resident = device_slots or (max(slots, max_batch) if mixed else slots)
+        if resident < slots or (not mixed and resident != slots):
+            raise ValueError(f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
+                             f"with max_batch > 1.")
         self.pipe = pipe
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
         self._root = Path(catalog_root) if catalog_root else None
@@ -88,10 +99,19 @@ class LoraManager:
         )
         self._registered: dict[str, _Registered] = {}
         self.errors: dict[str, str] = {}  # catalog adapters refused at start-up, with their reason
-        self._live: list[str | None] = [None] * slots  # the adapter id each slot holds
+        self._live: list[str | None] = [None] * resident  # the adapter id each device slot holds
+        self._last_used: dict[str, int] = {}  # adapter id -> the batch that last needed it (evict the oldest)
+        self._batches = 0
         self._swap_ms: list[float] = []
         self.compile_s: float | None = None
-        self._graphs_after_compile: int | None = None
+        self._recompiles = 0
+        self._warm = False
+        self.max_batch = max_batch
+        # batch sizes a pipeline call may have: every size eagerly; compiled, powers of two and max_batch (padded)
+        self.batch_sizes = (sorted({*(2**i for i in range(max_batch.bit_length()) if 2**i < max_batch), max_batch})
+                            if compile else list(range(1, max_batch + 1)))
+        self._rows = BatchRows(self.batch_sizes, slots, pipe.device) if mixed else None
+        self._prefetch = DevicePrefetch(pipe.device, resident) if mixed and pipe.device.type == "cuda" else None
 
         staged = {}
         for spec in self.catalog.adapters:
@@ -109,17 +129,23 @@ class LoraManager:
                 )
                 del staged[adapter_id]
         keys = set().union(*(reg.keys for reg, _ in staged.values())) or self._default_keys()
-        self.slots: list[LiveSlot] = prepare_template(pipe, self.components, keys, self.target_rank, slots)
+        self.device_slots, self._gathered = prepare_template(
+            pipe, self.components, keys, self.target_rank, resident, self._rows
+        )
+        # len(slots) is how many adapters one request may combine (the app and Ray Serve read it)
+        self.slots: list[LiveSlot] = self.device_slots[:slots]
         for adapter_id, (reg, weights) in staged.items():
             self._registered[adapter_id] = reg
             self.store.put(adapter_id, weights)
         self.scheduler = Scheduler(
-            self._run_batch, lambda: frozenset(filter(None, self._live)), max_queue=max_queue, max_batch=max_batch
+            self._run_batch, lambda: frozenset(filter(None, self._live)), max_queue=max_queue, max_batch=max_batch,
+            capacity=resident,
         )
         self.compiled = compile
+        self.compile_source = "eager"
+        self._cache_counts = (0, 0)  # inductor FX graph cache (hits, misses) while this engine compiled
         if compile:
-            compile_denoiser(self.components[self.denoiser_name], **(compile_kwargs or {}))
-            self._warm_up()
+            self.compile_source = self._compile(compile_kwargs or {})
         _OPEN.add(self)
 
     def close(self) -> None:
@@ -211,7 +237,7 @@ class LoraManager:
     ) -> Result:
         """Generate one image with `adapter` (an id, None, or up to `slots` ids or (id, strength) pairs) at
         `strength`. Safe from many threads: requests queue in the scheduler, which swaps only between generations
-        and groups requests by adapter."""
+        and groups requests by adapter (with `max_batch` > 1, runs up to that many in one batch, mixed adapters)."""
         return self.submit(prompt, adapter, strength, seed, steps, **pipe_kwargs).result()
 
     def submit(
@@ -232,24 +258,24 @@ class LoraManager:
             params["num_inference_steps"] = req.steps
         return self.scheduler.submit(Request(req.prompt, req.adapters, req.seed, params))
 
-    def _run_batch(self, requests: list[Request]) -> list[Result]:
-        """Run same-adapter requests as one pipeline call (the scheduler's worker calls this, one batch at a time)."""
+    def _run_batch(self, requests: list[Request]) -> list[Result | BaseException]:
+        """Run queued requests as one pipeline call (the scheduler's worker calls this, one batch at a time): with one
+        request at a time its adapters go into the slots; in a mixed batch each row picks its own device slots, and
+        an adapter refused on its way in fails only the requests that named it."""
         first = requests[0]
         with self._lock:
-            swap_ms = self._activate(first.adapters)
-            generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
-            prompts = [r.prompt for r in requests]
-            single = len(requests) == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
-            t0 = time.perf_counter()
-            images = self.pipe(
-                prompts[0] if single else prompts, generator=generators[0] if single else generators, **first.params
-            ).images
-            generate_ms = (time.perf_counter() - t0) * 1e3
+            if self._rows is None:
+                swap_ms, refused = self._activate(first.adapters), {}
+            else:
+                swap_ms, refused = self._activate_rows(requests)
+            runnable = [r for r in requests if not refused.keys() & r.adapter_ids]
+            images, generate_ms = self._call(runnable) if runnable else ([], 0.0)
             recompiles = self.recompiles
         shared = {k: v for k, v in first.params.items() if isinstance(v, (int, float, str, bool, type(None)))}
+        results = iter(images)
         return [
-            Result(
-                image=image,
+            refused[min(refused.keys() & r.adapter_ids)] if refused.keys() & r.adapter_ids else Result(
+                image=next(results),
                 info={
                     **_describe(r.adapters),
                     "seed": r.seed,
@@ -258,14 +284,34 @@ class LoraManager:
                     **shared,
                     "swap_ms": swap_ms,
                     "generate_ms": generate_ms,
-                    "batch_size": len(requests),
+                    "batch_size": len(runnable),
                     "compiled": self.compiled,
                     "recompiles": recompiles,
                     "base_model": self.model_name,
                 },
             )
-            for r, image in zip(requests, images)
+            for r in requests
         ]
+
+    def _call(self, requests: list[Request]) -> tuple[list, float]:
+        """One pipeline call for `requests` (same params), padded up to the next batch size the engine runs; padded
+        rows use no adapter and are dropped. Counts graphs compiled during the call as recompiles."""
+        size = next(n for n in self.batch_sizes if n >= len(requests)) if self._rows is not None else len(requests)
+        prompts = [r.prompt for r in requests] + [requests[0].prompt] * (size - len(requests))
+        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+        generators += [torch.Generator("cpu").manual_seed(0) for _ in range(size - len(requests))]
+        single = size == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
+        if self._prefetch is not None:
+            self._stage_upcoming()
+        graphs = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        images = self.pipe(
+            prompts[0] if single else prompts, generator=generators[0] if single else generators, **requests[0].params
+        ).images
+        generate_ms = (time.perf_counter() - t0) * 1e3
+        if self._warm:
+            self._recompiles += counters["stats"]["unique_graphs"] - graphs
+        return images[: len(requests)], generate_ms
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -276,9 +322,16 @@ class LoraManager:
                 "swap_ms_median": statistics.median(self._swap_ms) if self._swap_ms else None,
                 "compiled": self.compiled,
                 "compile_s": self.compile_s,
+                "compile_source": self.compile_source,
+                "compile_cache_hits": self._cache_counts[0],
+                "compile_cache_misses": self._cache_counts[1],
                 "recompiles": self.recompiles,
                 "target_rank": self.target_rank,
                 "slots": len(self.slots),
+                "device_slots": len(self.device_slots),
+                "max_batch": self.max_batch,
+                "batch_sizes": list(self.batch_sizes),
+                "batches": self.scheduler.stats.batches,
                 "template_modules": len(self.slots[0].modules),
                 "cache_entries": len(self.store.entries()),
                 "cache_bytes": self.store.nbytes,
@@ -295,10 +348,8 @@ class LoraManager:
 
     @property
     def recompiles(self) -> int:
-        """Graphs compiled since the warm-up compile (process-wide dynamo counter, so one compiled engine a process)."""
-        if self._graphs_after_compile is None:
-            return 0
-        return counters["stats"]["unique_graphs"] - self._graphs_after_compile
+        """Graphs compiled during this engine's generations after its warm-up compile."""
+        return self._recompiles
 
     # ---- internals (callers hold the lock where model state is touched) -------------------------------------------
 
@@ -334,8 +385,68 @@ class LoraManager:
             self._swap_ms.append(ms)
         return ms
 
+    def _activate_rows(self, requests: list[Request]) -> tuple[float, dict[str, Exception]]:
+        """Make every adapter of a mixed batch resident, then write each row's picks. Every incoming adapter is read
+        and checked before the first write; one that is refused (returned with its error) changes nothing and the
+        rest of the batch runs. Resident adapters the batch does not need stay unless their slot is wanted."""
+        needed = list(dict.fromkeys(a for r in requests for a, _ in r.adapters))
+        before = set(filter(None, self._live))
+        fetched: dict[str, AdapterWeights] = {}
+        refused: dict[str, Exception] = {}
+        try:
+            for adapter_id in (a for a in needed if a not in before):
+                try:
+                    fetched[adapter_id] = self._weights(adapter_id)
+                except Exception as e:  # noqa: BLE001 - the error is this adapter's requests' answer
+                    refused[adapter_id] = e
+                    continue
+                self.store.pin(adapter_id)  # so fetching the next one cannot evict it
+        except BaseException:
+            for adapter_id in fetched:
+                self.store.unpin(adapter_id)
+            raise
+        needed = [a for a in needed if a not in refused]
+        targets = plan_resident(self._live, needed, self._last_used)
+        ms = 0.0
+        for i, (slot, old, new) in enumerate(zip(self.device_slots, self._live, targets)):
+            if new != old:
+                staged = self._prefetch.take(new, fetched[new]) if self._prefetch is not None else None
+                ms += slot.load(fetched[new], 1.0, staged)
+                self._live[i] = new
+        for adapter_id in before - set(targets):
+            self.store.unpin(adapter_id)
+        if fetched:
+            self._swap_ms.append(ms)
+        if not self.compiled:  # compiled graphs keep the template rank: fixed shapes
+            self._fit_ranks()
+        self._batches += 1
+        self._last_used.update(dict.fromkeys(needed, self._batches))
+        slot_of = {a: i for i, a in enumerate(self._live) if a is not None}
+        rows = [[(slot_of[a], s) for a, s in sorted(r.adapters)]
+                for r in requests if not refused.keys() & r.adapter_ids]
+        if rows:
+            size = next(n for n in self.batch_sizes if n >= len(rows))
+            self._rows.write(rows + [[] for _ in range(size - len(rows))])
+        return ms, refused
+
+    def _fit_ranks(self) -> None:
+        """Eager: each layer computes only up to the highest rank a resident adapter has there (the columns above
+        are zero in every slot, so the result is the same), and skips itself where none has weights."""
+        held = [slot.weights.modules for slot in self.device_slots if slot.weights is not None]
+        for key, layer in self._gathered.items():
+            layer.rank = max((modules[key].rank for modules in held if key in modules), default=0)
+
+    def _stage_upcoming(self) -> None:
+        """CUDA: start copying the adapters queued requests need and the device does not hold (pinned host memory,
+        side stream), while this batch runs."""
+        wanted = {}
+        for adapter_id in self.scheduler.upcoming():
+            if adapter_id not in self._live and adapter_id in self.store:
+                wanted[adapter_id] = self.store.get(adapter_id)
+        self._prefetch.stage(wanted)
+
     def _forget(self, weights: AdapterWeights) -> None:
-        for slot in self.slots:
+        for slot in self.device_slots:
             slot.forget(weights)
 
     def _weights(self, adapter_id: str) -> AdapterWeights:
@@ -398,13 +509,44 @@ class LoraManager:
         model = self.components[self.denoiser_name]
         return {(self.denoiser_name, n) for n, _ in model.named_modules() if n.endswith(DEFAULT_ATTENTION)}
 
+    @property
+    def catalog_root(self) -> Path | None:
+        """The catalog's folder (a preset's own), where its previews and compile bundles live."""
+        return self._root
+
+    @property
+    def compile_key(self) -> compile_cache.BundleKey:
+        """What this engine's compiled graphs depend on beyond the code: which compile bundle fits it."""
+        generation = {**self.generation_defaults, "batch_sizes": list(self.batch_sizes)}
+        return compile_cache.bundle_key(self.pipe.device, self.dtype, self.target_rank, len(self.device_slots),
+                                        len(self.slots[0].modules), generation)
+
+    def _compile(self, compile_kwargs: dict[str, Any]) -> str:
+        """Install the preset's compile bundle where one fits, then compile and warm up; says which it was."""
+        path = compile_cache.bundle_path(self._root, self.compile_key) if self._root else None
+        skipped = compile_cache.install(path, self.compile_key) if path else "the catalog has no folder"
+        before = compile_cache.cache_counts()
+        compile_denoiser(self.components[self.denoiser_name], **compile_kwargs)
+        self._warm_up()
+        self._cache_counts = tuple(n - b for n, b in zip(compile_cache.cache_counts(), before))
+        if skipped is None and self._cache_counts[1] == 0:
+            return f"artifacts ({path.name}): no graph compiled"
+        why = skipped or f"{self._cache_counts[1]} graph(s) were not in {path.name}"
+        log.info("compiled the denoiser: %s", why)
+        return f"compiled ({why})"
+
     def _warm_up(self) -> None:
-        """Compile now with one short generation, so the first request does not pay for it."""
+        """Compile now with one short generation per batch size, so no request pays for it (nor recompiles)."""
         t0 = time.perf_counter()
-        self.pipe("warm-up", num_inference_steps=2, generator=torch.Generator("cpu").manual_seed(0),
-                  **{k: v for k, v in self.generation_defaults.items() if k != "num_inference_steps"})
+        defaults = {k: v for k, v in self.generation_defaults.items() if k != "num_inference_steps"}
+        for size in self.batch_sizes if self._rows is not None else [1]:
+            if self._rows is not None:
+                self._rows.write([[] for _ in range(size)])
+            prompt = "warm-up" if size == 1 else ["warm-up"] * size
+            generator = [torch.Generator("cpu").manual_seed(0) for _ in range(size)]
+            self.pipe(prompt, num_inference_steps=2, generator=generator[0] if size == 1 else generator, **defaults)
         self.compile_s = time.perf_counter() - t0
-        self._graphs_after_compile = counters["stats"]["unique_graphs"]
+        self._warm = True
 
 
 _OPEN: weakref.WeakSet[LoraManager] = weakref.WeakSet()

@@ -1,10 +1,15 @@
-"""Load test: K concurrent clients x M requests with random adapters, strengths and seeds, against three servers.
+"""Load test: K concurrent clients x M requests with adapters, strengths and seeds, against four servers.
 
-- the engine (`LoraManager.generate`, through its scheduler), checked image by image against solo references;
+- the engine (`LoraManager.generate`, through its scheduler, batching up to `max_batch` requests whatever their
+  adapters), checked image by image against solo references, for a stream cycling over every adapter and none and
+  for a stream of one adapter;
+- plain diffusers serving that one adapter (`load_lora_weights`) in batches of `max_batch` prompts, one call after
+  another: what batching costs without any adapter switching;
 - a naive "swap on arrival" server (plain diffusers, every adapter resident, `set_adapters` when a request arrives,
-  no lock): the second seed's global switch, which corrupts requests already in flight;
+  no lock): a global adapter switch, which corrupts requests already in flight;
 - reload per request (`load_lora_weights` from disk, generate, `unload_lora_weights`), serialized.
-Throughput of a mixed-adapter stream is compared with a single-adapter stream on the same engine.
+Throughput of the mixed-adapter stream is compared with the single-adapter stream on the same engine and with plain
+diffusers' batches.
 """
 
 from __future__ import annotations
@@ -46,13 +51,21 @@ class RunReport:
     wait_p50_s: float | None
     wait_p95_s: float | None
     wait_max_s: float | None
+    batches: int | None = None  # pipeline calls the engine made for these requests
 
 
-def make_jobs(adapters: list[str | None], n: int, seed: int) -> list[Job]:
+def make_jobs(adapters: list[str | None], n: int, seed: int, strengths: tuple[float, ...] = (0.6, 1.0)) -> list[Job]:
     rng = random.Random(seed)
     return [
-        Job(rng.choice(PROMPTS), rng.choice(adapters), rng.choice((0.6, 1.0)), rng.randrange(1000)) for _ in range(n)
+        Job(rng.choice(PROMPTS), rng.choice(adapters), rng.choice(strengths), rng.randrange(1000)) for _ in range(n)
     ]
+
+
+def cycle_jobs(adapters: list[str | None], n: int, seed: int) -> list[Job]:
+    """Request i asks for adapters[i % len(adapters)]: every adapter (and none) equally often, interleaved."""
+    rng = random.Random(seed)
+    return [Job(rng.choice(PROMPTS), adapters[i % len(adapters)], rng.choice((0.6, 1.0)), rng.randrange(1000))
+            for i in range(n)]
 
 
 def levels(a, b) -> int:
@@ -89,6 +102,7 @@ def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, 
         wait_p50_s=statistics.median(waits) if waits else None,
         wait_p95_s=waits[int(0.95 * (len(waits) - 1))] if waits else None,
         wait_max_s=waits[-1] if waits else None,
+        batches=manager.stats()["batches"] - before["batches"],
     )
 
 
@@ -121,8 +135,32 @@ def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, re
     )
 
 
+def with_lora(pipe, adapter: Path):
+    """A plain diffusers pipeline with one adapter loaded normally (eval: PEFT's dropout off, as the engine's)."""
+    pipe.load_lora_weights(str(adapter.parent), weight_name=adapter.name, adapter_name="one")
+    pipe.unet.eval()
+    pipe.text_encoder.eval()
+    return pipe
+
+
+def run_plain_batches(pipe, jobs: list[Job], batch: int, refs: dict, params: dict) -> RunReport:
+    """`pipe` (one adapter loaded, `with_lora`) serving the jobs `batch` prompts per pipeline call."""
+    import torch
+
+    t0 = time.perf_counter()
+    images = []
+    for i in range(0, len(jobs), batch):
+        chunk = jobs[i: i + batch]
+        generators = [torch.Generator("cpu").manual_seed(j.seed) for j in chunk]
+        images += pipe([j.prompt for j in chunk], generator=generators, **params).images
+    wall = time.perf_counter() - t0
+    mismatches = sum(levels(img, refs[j]) > 1 for j, img in zip(jobs, images))
+    return RunReport(f"plain diffusers, one LoRA, batches of {batch}", len(jobs), wall, len(jobs) / wall, mismatches,
+                     _changes(jobs), 0, None, None, None)
+
+
 def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, params: dict) -> RunReport:
-    """The first seed's option one: read the adapter from disk for every request, one request at a time."""
+    """Reload per request: read the adapter from disk for every request, one request at a time."""
     import torch
 
     lock = threading.Lock()
@@ -143,29 +181,42 @@ def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, par
     return RunReport("reload per request", len(jobs), wall, len(jobs) / wall, mismatches, _changes(jobs), len(jobs), None, None, None)
 
 
-def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | None = None, preset: str = "tiny") -> dict:
-    """Run all servers on the same jobs and print one JSON report."""
+def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | None = None, preset: str = "tiny",
+         max_batch: int = 8, rounds: int = 3) -> dict:
+    """Run all servers on the same jobs and print one JSON report. Batches fill only when at least `max_batch`
+    clients send at once (`--clients 16`). The three batching servers run in turn, `rounds` times, and are compared
+    on their summed times: on a shared CPU the load drifts within minutes, and this spreads it over all three."""
     from diffusers import DiffusionPipeline
 
-    manager = LoraManager.from_preset(preset, compile=False)
+    manager = LoraManager.from_preset(preset, compile=False, max_batch=max_batch)
     ids = [a.id for a in manager.adapters()]
     paths = {i: manager.adapter_path(i) for i in ids}
     total = clients * requests
-    mixed = make_jobs([None, *ids], total, seed)
-    single = make_jobs([ids[0]], total, seed + 1)
+    mixed = cycle_jobs([None, *ids], total, seed)
+    single = make_jobs([ids[0]], total, seed + 1, strengths=(1.0,))  # plain diffusers serves it at strength 1
     refs = solo_references(manager, mixed + single)
-    reports = [
-        run_engine(manager, single, clients, refs, "engine, one adapter"),
-        run_engine(manager, mixed, clients, refs, "engine, mixed adapters"),
-    ]
     fresh = lambda: DiffusionPipeline.from_pretrained(manager.base_model, dtype=manager.dtype)  # noqa: E731
     params = manager.generation_defaults
+    plain = with_lora(_quiet(fresh()), paths[ids[0]])
+    turns = [
+        [
+            run_engine(manager, single, clients, refs, "engine, one adapter"),
+            run_engine(manager, mixed, clients, refs, "engine, mixed adapters"),
+            run_plain_batches(plain, single, max_batch, refs, params),
+        ]
+        for _ in range(rounds)
+    ]
+    reports = [_combine(list(same)) for same in zip(*turns)]
     reports.append(run_naive(_quiet(fresh()), paths, mixed, clients, refs, params))
     reports.append(run_reload(_quiet(fresh()), paths, mixed, refs, params))
     out = {
         "clients": clients,
         "requests": total,
+        "max_batch": max_batch,
+        "rounds": rounds,
+        "device_slots": manager.stats()["device_slots"],
         "mixed_over_single_throughput": reports[1].images_per_s / reports[0].images_per_s,
+        "mixed_over_plain_batches_throughput": reports[1].images_per_s / reports[2].images_per_s,
         "runs": [asdict(r) for r in reports],
     }
     text = json.dumps(out, indent=2)
@@ -173,6 +224,20 @@ def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | No
     if json_out:
         json_out.write_text(text)
     return out
+
+
+def _combine(reports: list[RunReport]) -> RunReport:
+    """One server's rounds as one report: counts and times summed, waits the worst round's."""
+    def worst(field: str) -> float | None:
+        return max((getattr(r, field) for r in reports if getattr(r, field) is not None), default=None)
+
+    wall, n = sum(r.wall_s for r in reports), sum(r.requests for r in reports)
+    return RunReport(
+        reports[0].name, n, wall, n / wall, sum(r.mismatches for r in reports),
+        sum(r.adapter_changes_requested for r in reports), sum(r.swaps for r in reports),
+        worst("wait_p50_s"), worst("wait_p95_s"), worst("wait_max_s"),
+        sum(r.batches for r in reports) if reports[0].batches is not None else None,
+    )
 
 
 def _quiet(pipe):

@@ -36,6 +36,7 @@ class RemoteManager:
         self.target_rank: int = info["target_rank"]
         self.slots = [None] * info["slots"]  # only its length is used: how many adapters a request may combine
         self.compiled: bool = info["compiled"]
+        self.compile_source: str = info["stats"].get("compile_source", "unknown")
         self.errors: dict[str, str] = info["errors"]
 
     def adapters(self) -> list[AdapterInfo]:

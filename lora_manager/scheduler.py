@@ -1,8 +1,12 @@
-"""Adapter-grouped scheduling: one generation (or one same-adapter batch) at a time, swaps kept few, waits bounded.
+"""Adapter-grouped scheduling: one generation (or one batch) at a time, swaps kept few, waits bounded.
 
 A request never sees another request's adapter: the worker swaps only between generations. Among queued requests it
-prefers those for the live adapter (no swap), but after `max_consecutive` such runs in a row, or once the oldest
+prefers those whose adapters are live (no swap), but after `max_consecutive` such runs in a row, or once the oldest
 request has waited `max_wait_s`, it serves the oldest request instead, so no adapter starves.
+
+With `max_batch` > 1 a batch mixes adapters (each row runs its own, see `batched_lora`): after the head request it
+takes, in arrival order, every queued request with the same generation parameters while the batch's adapters fit in
+the `capacity` device slots.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ class Request:
         return frozenset(i for i, _ in self.adapters)
 
     def batch_key(self) -> tuple | None:
-        """Requests with equal keys can share one pipeline call; None when params hold callbacks or objects."""
+        """Requests with equal keys (steps, size, guidance...) can share one pipeline call whatever their adapters;
+        None when params hold callbacks or objects."""
         if not all(isinstance(v, (int, float, str, bool, type(None))) for v in self.params.values()):
             return None
-        return (tuple(sorted(self.adapters)), tuple(sorted(self.params.items())))
+        return tuple(sorted(self.params.items()))
 
 
 @dataclass
@@ -68,7 +73,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Owns the worker thread; `run_batch(requests)` (the engine, under its lock) does the generation."""
+    """Owns the worker thread; `run_batch(requests)` (the engine, under its lock) does the generation and returns
+    one result, or the exception that refused it, per request."""
 
     def __init__(
         self,
@@ -78,6 +84,8 @@ class Scheduler:
         max_consecutive: int = 4,
         max_wait_s: float = 30.0,
         max_batch: int = 1,
+        capacity: int = 1,
+        batch_window_s: float = 0.01,
     ):
         self.run_batch = run_batch
         self.live_adapters = live_adapters
@@ -85,6 +93,10 @@ class Scheduler:
         self.max_consecutive = max_consecutive
         self.max_wait_s = max_wait_s
         self.max_batch = max_batch
+        self.capacity = capacity  # adapters one batch may hold (the engine's device slots)
+        # with max_batch > 1, how long an idle worker waits for a batch to fill once a first request arrives:
+        # clients that send at nearly the same time then share one call instead of a lone first request taking one
+        self.batch_window_s = batch_window_s
         self.stats = SchedulerStats()
         self._order = itertools.count()
         self._streak = 0
@@ -114,6 +126,12 @@ class Scheduler:
         with self._cond:
             return len(self._queue)
 
+    def upcoming(self) -> list[str]:
+        """Adapters of queued requests, oldest request first (what the next batches will likely need)."""
+        with self._cond:
+            queue = sorted(self._queue, key=lambda q: q.order)
+            return list(dict.fromkeys(i for q in queue for i, _ in q.request.adapters))
+
     def close(self) -> None:
         """Stop the worker after the batch it is running; queued requests fail with EngineClosedError."""
         with self._cond:
@@ -131,10 +149,18 @@ class Scheduler:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
+                    if self.max_batch > 1:
+                        self._fill(time.monotonic() + self.batch_window_s)
                 if self._closed:
                     return
                 batch = self._pick()
             self._run(batch)
+
+    def _fill(self, deadline: float) -> None:
+        """Wait (holding the condition, released while waiting) until the queue holds max_batch requests, the
+        deadline passes, or the scheduler closes."""
+        while len(self._queue) < self.max_batch and not self._closed and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
 
     def _restart_in_child(self) -> None:
         """After a fork (ZeroGPU runs each GPU call in a process forked from the app) the worker thread does not exist
@@ -143,23 +169,31 @@ class Scheduler:
             self._start()
 
     def _pick(self) -> list[_Queued]:
-        """Choose the next group (caller holds the condition): live adapter first, within the fairness bounds."""
+        """Choose the next group (caller holds the condition): live adapters first, within the fairness bounds.
+        One request at a time (`max_batch` 1) is ready when it needs exactly the live adapters; in mixed batches,
+        when all its adapters are live."""
         now = time.monotonic()
-        oldest = min(self._queue, key=lambda q: q.order)
+        queue = sorted(self._queue, key=lambda q: q.order)
+        oldest = queue[0]
         live = self.live_adapters()
-        same = [q for q in self._queue if q.request.adapter_ids == live]
+        ready = (lambda ids: ids == live) if self.max_batch == 1 else (lambda ids: ids <= live)
+        same = [q for q in queue if ready(q.request.adapter_ids)]
         fair = self._streak < self.max_consecutive and now - oldest.enqueued < self.max_wait_s
-        head = min(same, key=lambda q: q.order) if same and fair else oldest
+        head = same[0] if same and fair else oldest
         key = head.request.batch_key()
-        group = [head]
-        if key is not None:
-            group += [q for q in sorted(self._queue, key=lambda q: q.order) if q is not head and q.request.batch_key() == key]
-        group = group[: self.max_batch]
+        group, adapters = [head], set(head.request.adapter_ids)
+        for q in queue if key is not None else ():
+            if len(group) == self.max_batch:
+                break
+            fits = len(adapters | q.request.adapter_ids) <= self.capacity
+            if q is not head and q.request.batch_key() == key and fits:
+                group.append(q)
+                adapters |= q.request.adapter_ids
         for q in group:
             self._queue.remove(q)
-        self._streak = self._streak + 1 if head.request.adapter_ids == live else 1
-        if head.request.adapter_ids != live:
-            self.stats.adapter_changes += 1
+        self._streak = self._streak + 1 if ready(head.request.adapter_ids) else 1
+        swaps = not adapters <= live if self.max_batch > 1 else head.request.adapter_ids != live
+        self.stats.adapter_changes += swaps
         return group
 
     def _run(self, group: list[_Queued]) -> None:
@@ -180,9 +214,12 @@ class Scheduler:
             self.stats.waits_s.extend(waits)
             self.stats.max_wait_s = max([self.stats.max_wait_s, *waits])
             self.stats.batches += 1
-        for q, result in zip(group, results):
+        for q, result in zip(group, results):  # an exception fails only the requests it belongs to
             self.stats.completed += 1
-            q.future.set_result(result)
+            if isinstance(result, BaseException):
+                q.future.set_exception(result)
+            else:
+                q.future.set_result(result)
 
 
 _LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # open schedulers, restarted in a forked child

@@ -5,8 +5,8 @@
 `POST /generate` takes JSON {"prompt", "adapter", "strength", "seed", "steps"} and answers {"image_png_base64",
 "info"} (info as in `Result.info`, plus the replica that served it). A refused request gets a 4xx with
 {"error": message, "field": the field at fault or null} (the engine's request schema, checked before anything is
-queued; a body over `MAX_BODY_BYTES` gets 413), a busy server 503, a real fault 500 with a plain message. Adapter ids are Ray Serve's multiplexed model
-ids and each replica's CPU store is its adapter cache. Routing:
+queued; a body over `MAX_BODY_BYTES` gets 413), a busy server 503, a real fault 500 with a plain message. Adapter
+ids are Ray Serve's multiplexed model ids and each replica's CPU store is its adapter cache. Routing:
 
 - `default`: Ray Serve's own multiplexed routing (power of two choices among replicas that hold the id);
 - `affinity`: `AdapterAffinityRouter`: the least busy replica, and among equally busy ones the replica where the
@@ -120,14 +120,14 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
 class LoraReplica:
     """One replica: one pipeline, one template, one CPU adapter cache."""
 
-    def __init__(self, preset: str, compile: bool | None, slots: int, threads: int | None):
+    def __init__(self, preset: str, compile: bool | None, slots: int, threads: int | None, max_batch: int = 1):
         import torch
 
         from .engine import LoraManager
 
         if threads:
             torch.set_num_threads(threads)
-        self.manager = LoraManager.from_preset(preset, compile=compile, slots=slots)
+        self.manager = LoraManager.from_preset(preset, compile=compile, slots=slots, max_batch=max_batch)
         self.name = serve.get_replica_context().replica_id.unique_id
 
     @serve.multiplexed(max_num_models_per_replica=1024)
@@ -207,22 +207,26 @@ def build_app(
     routing: str = "affinity",
     compile: bool | None = None,
     slots: int = 1,
-    max_ongoing_requests: int = 2,
+    max_ongoing_requests: int | None = None,
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     threads: int | None = None,
+    max_batch: int = 4,
 ):
-    """The Serve application: `replicas` engines behind the ingress, routed by `routing`."""
+    """The Serve application: `replicas` engines behind the ingress, routed by `routing`. Each replica runs up to
+    `max_batch` requests in one pipeline call whatever their adapters, so it accepts that many at once
+    (`max_ongoing_requests`, default max(2, max_batch))."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     options: dict[str, Any] = {
         "num_replicas": replicas,
-        "max_ongoing_requests": max_ongoing_requests,  # a full replica is skipped: the router tries the next
+        # a full replica is skipped: the router tries the next
+        "max_ongoing_requests": max_ongoing_requests or max(2, max_batch),
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
     }
     if routing == "affinity":
         options["request_router_config"] = RequestRouterConfig(request_router_class=AdapterAffinityRouter)
-    return Ingress.bind(LoraReplica.options(**options).bind(preset, compile, slots, threads))
+    return Ingress.bind(LoraReplica.options(**options).bind(preset, compile, slots, threads, max_batch))
 
 
 def app_builder(args: dict[str, Any]):

@@ -5,19 +5,22 @@ union of every catalog adapter's modules, at rank R) -> `torch.compile` of the d
 into the template's tensors (`copy_`/`fill_`), so compiled graphs stay valid and nothing recompiles.
 
 With K slots the first load is K zero templates under the names slot0..slotK-1, all made active once before compile;
-each slot is then swapped on its own, so a request can combine up to K adapters with a strength each.
+each slot is then swapped on its own, so a request can combine up to K adapters with a strength each. For mixed-adapter
+batches (`rows` given) the slots are device slots instead: resident adapters that each row of a batch picks from
+(`batched_lora`), still written by the same in-place swaps.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from .adapter_file import AdapterWeights
+from .batched_lora import BatchRows, GatheredLora, install
 from .validate import lora_shapes
 
 SLOT = "slot0"  # the first (with one slot: the only) adapter name the model ever holds; every swap writes into one
@@ -49,22 +52,26 @@ def template_state_dict(
 
 
 def prepare_template(
-    pipe, components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int, slots: int = 1
-) -> list[LiveSlot]:
-    """Steps 1 and 2 of the order: enable hotswap for the denoiser, then load one zero template per slot."""
+    pipe, components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int, slots: int = 1,
+    rows: BatchRows | None = None,
+) -> tuple[list[LiveSlot], dict[tuple[str, str], GatheredLora]]:
+    """Steps 1 and 2 of the order: enable hotswap for the denoiser, then load one zero template per slot. With
+    `rows`, every row of a batch picks its own slots (`batched_lora.install`, whose layers are returned) instead of
+    all slots adding up."""
     pipe.enable_lora_hotswap(target_rank=rank)
     dtype = next(iter(components.values())).dtype
     names = slot_names(slots)
     for name in names:  # a fresh state dict each time: a load may keep the tensors it is given
-        # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors (hotswap-facts #10).
+        # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors, and swaps would write into them.
         pipe.load_lora_weights(
             template_state_dict(components, keys, rank, dtype), adapter_name=name, low_cpu_mem_usage=False
         )
-    if slots > 1:
+    gathered = install(components, names, rows) if rows is not None else {}
+    if rows is None and slots > 1:
         # diffusers activates only the last adapter loaded. set_adapters writes float scalings, so it runs before
         # LiveSlot turns them into the tensors that swaps write in place (a later set_adapters would recompile).
         pipe.set_adapters(names)
-    return [LiveSlot(components, rank, name) for name in names]
+    return [LiveSlot(components, rank, name) for name in names], gathered
 
 
 def compile_denoiser(denoiser: nn.Module, **compile_kwargs) -> None:
@@ -108,8 +115,9 @@ class LiveSlot:
     def keys(self) -> set[tuple[str, str]]:
         return set(self.modules)
 
-    def plan(self, weights: AdapterWeights) -> SwapPlan:
-        """The swap plan for `weights`, built on first use and kept while the adapter stays in the CPU cache."""
+    def plan(self, weights: AdapterWeights, keep: bool = True) -> SwapPlan:
+        """The swap plan for `weights`, built on first use and (`keep`) kept while the adapter stays in the CPU
+        cache."""
         cached = self._plans.get(id(weights))
         if cached is not None and cached[0] is weights:
             return cached[1]
@@ -124,7 +132,8 @@ class LiveSlot:
             scalings.append(live.scaling)
             scales.append(m.scale)
         plan = SwapPlan(dst, src, pad, scalings, scales)
-        self._plans[id(weights)] = (weights, plan)
+        if keep:
+            self._plans[id(weights)] = (weights, plan)
         return plan
 
     def forget(self, weights: AdapterWeights) -> None:
@@ -132,8 +141,9 @@ class LiveSlot:
         self._plans.pop(id(weights), None)
 
     @torch.no_grad()
-    def load(self, weights: AdapterWeights | None, strength: float) -> float:
-        """Write `weights` (None: no adapter) into the template in place; returns milliseconds spent."""
+    def load(self, weights: AdapterWeights | None, strength: float, staged: AdapterWeights | None = None) -> float:
+        """Write `weights` (None: no adapter) into the template in place; returns milliseconds spent. `staged` is a
+        device copy of `weights` (`DevicePrefetch`): the copy is then device to device."""
         t0 = time.perf_counter()
         old = self.weights.modules if self.weights else {}
         new = weights.modules if weights else {}
@@ -141,7 +151,7 @@ class LiveSlot:
         if stale:
             torch._foreach_zero_([t for live in stale for t in (live.A, live.B, live.scaling)])
         if weights is not None:
-            plan = self.plan(weights)
+            plan = self.plan(staged, keep=False) if staged is not None else self.plan(weights)
             if plan.pad:  # before the copy: on CUDA it covers the copied rows too
                 torch._foreach_zero_(plan.pad)
             torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
@@ -162,6 +172,50 @@ class LiveSlot:
     def snapshot(self) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]]:
         """Copies of every live tensor, for tests that prove a refused adapter changed nothing."""
         return {k: (v.A.clone(), v.B.clone(), float(v.scaling)) for k, v in self.modules.items()}
+
+
+class DevicePrefetch:
+    """CUDA only: copies the adapters the next batch will likely need host-to-device on a side stream while the
+    current batch runs, so the swap between batches is a device-to-device copy. Only the engine's lock holder calls
+    it; at most `limit` adapters are staged."""
+
+    def __init__(self, device: torch.device, limit: int):
+        self.device = device
+        self.limit = limit
+        self.stream = torch.cuda.Stream(device)
+        self._staged: dict[str, tuple[AdapterWeights, AdapterWeights, torch.cuda.Event]] = {}
+
+    @torch.no_grad()
+    def stage(self, wanted: dict[str, AdapterWeights]) -> None:
+        """Start copying `wanted` (adapter id -> its CPU-cache entry, page-locked) and drop staged copies not wanted."""
+        for adapter_id in [a for a in self._staged if a not in wanted]:
+            del self._staged[adapter_id]
+        for adapter_id, weights in list(wanted.items())[: self.limit]:
+            held = self._staged.get(adapter_id)
+            if held is not None and held[0] is weights:
+                continue
+            with torch.cuda.stream(self.stream):
+                copy = AdapterWeights(
+                    {k: replace(m, A=m.A.to(self.device, non_blocking=True), B=m.B.to(self.device, non_blocking=True))
+                     for k, m in weights.modules.items()},
+                    format=weights.format,
+                    folded_alpha=weights.folded_alpha,
+                )
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self._staged[adapter_id] = (weights, copy, done)
+
+    def take(self, adapter_id: str, weights: AdapterWeights) -> AdapterWeights | None:
+        """The staged device copy of exactly `weights` (None if none), ordered after its host-to-device copy."""
+        held = self._staged.pop(adapter_id, None)
+        if held is None or held[0] is not weights:
+            return None
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(held[2])
+        for m in held[1].modules.values():  # allocated on the side stream, read on this one
+            m.A.record_stream(current)
+            m.B.record_stream(current)
+        return held[1]
 
 
 def _tensor_scaling(layer: LoraLayer, name: str) -> torch.Tensor:

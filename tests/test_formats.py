@@ -211,9 +211,9 @@ def test_files_diffusers_cannot_read_are_refused_with_the_reason(case, presets, 
 def serve_compiled(catalog: str, steps: list[str | None], out: str) -> None:
     """Serve `steps` on a compiled engine of `catalog` and save the images and stats to `out` (.npz).
 
-    Runs in a process of its own: dynamo's graph count, which `LoraManager.recompiles` reads, is process-wide, and
-    diffusers' LoRA-scale decorator gives every denoiser's `forward` the same code object, so a second compiled model
-    in the test process would count as a recompile of the first (and the first's count would grow too).
+    Runs in a process of its own: diffusers' LoRA-scale decorator gives every denoiser's `forward` the same code
+    object, so in the test process (where the tiny engine is compiled too) compiling the Flux transformer would be a
+    recompile of that code, which `error_on_recompile` turns into an error.
     """
     engine = LoraManager.from_preset(catalog, compile=True, device="cpu")
     with torch._dynamo.config.patch(error_on_recompile=True):

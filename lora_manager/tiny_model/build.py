@@ -376,7 +376,7 @@ def build(out: Path, budget: Budget, seed: int, threads: int) -> None:
     euler = EulerDiscreteScheduler.from_config(noise_sched.config, timestep_spacing="trailing")  # trailing starts at pure noise
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tok, unet=unet, scheduler=euler,
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    for sub in ("model", "adapters", "previews"):  # stale files from an older build must not survive
+    for sub in ("model", "adapters", "previews", "compiled"):  # stale files from an older build must not survive
         shutil.rmtree(out / sub, ignore_errors=True)
     pipe.to(torch.float16).save_pretrained(out / "model", safe_serialization=True)
     run_in_float32(out / "model")

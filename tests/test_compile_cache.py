@@ -1,0 +1,71 @@
+"""Compile artifacts that travel: a bundle built once lets a process with an empty inductor cache start compiled
+without compiling, and a bundle that does not fit costs a normal compile, never an error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPT, ROOT
+
+from lora_manager import compile_cache
+
+TINY = ROOT / "lora_manager" / "presets" / "tiny"
+SERVE = """
+import json, sys, numpy as np
+from lora_manager import LoraManager
+m = LoraManager.from_preset(sys.argv[1], compile=sys.argv[2] == "1", slots=2)
+images = [np.asarray(m.generate(PROMPT, adapter=a, seed=3, steps=3).image).tolist() for a in (None, "frame", "pixel")]
+print(json.dumps({"stats": m.stats(), "images": images}))
+""".replace("PROMPT", repr(PROMPT))
+
+
+def catalog_outside_the_repo(tmp_path) -> str:
+    """The tiny preset's catalog with absolute paths, in a folder of its own: its bundle lands there."""
+    catalog = json.loads((TINY / "catalog.json").read_text())
+    catalog["base_model"] = str(TINY / catalog["base_model"])
+    for a in catalog["adapters"]:
+        a["source"] = str(TINY / a["source"])
+        a["preview"] = None
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps(catalog))
+    return str(path)
+
+
+def run(*args: str, cache: str, timeout: int = 900) -> str:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.compile
+def test_a_bundle_starts_a_fresh_process_compiled_without_compiling(tmp_path):
+    catalog = catalog_outside_the_repo(tmp_path)
+    built = json.loads(run("-m", "lora_manager", "compile-cache", "--preset", catalog, "--slots", "2",
+                           "--max-batch", "1", cache=str(tmp_path / "unused")))
+    assert (tmp_path / "compiled").is_dir() and built["bundle"].startswith(str(tmp_path / "compiled"))
+    fresh = json.loads(run("-c", SERVE, catalog, "1", cache=str(tmp_path / "empty-cache")).splitlines()[-1])
+    stats = fresh["stats"]
+    assert stats["compile_source"].startswith("artifacts"), stats["compile_source"]
+    assert stats["recompiles"] == 0 and stats["compile_cache_misses"] == 0 and stats["compile_cache_hits"] > 0
+    eager = json.loads(run("-c", SERVE, catalog, "0", cache=str(tmp_path / "eager-cache")).splitlines()[-1])
+    for a, b in zip(fresh["images"], eager["images"]):
+        assert np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max() <= 1
+
+
+def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
+    key = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 32, 2, 100, {"height": 64})
+    other = compile_cache.BundleKey(**{**key.__dict__, "torch": "0.0.1", "capability": "AVX9"})
+    (tmp_path / "empty").mkdir()
+    path = compile_cache.build(tmp_path / "b.tar.gz", other, tmp_path / "empty")
+    assert compile_cache.install(path, key) == "the bundle was built for another capability, torch"
+    assert "no bundle" in compile_cache.install(tmp_path / "missing.tar.gz", key)
+    with tarfile.open(path) as tar:
+        assert tar.getnames() == [compile_cache.MANIFEST]

@@ -1,0 +1,176 @@
+"""Mixed-adapter batches: requests with different LoRAs (and strengths, none, slot mixes) in one denoising pass,
+each image equal to the same request served alone, with no recompiles on a compiled engine."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPT, assert_same_slots, load_tiny, make_catalog, mix_reference
+
+from lora_manager import AdapterFormatError, LoraManager, RequestError
+from lora_manager.scheduler import Request, Scheduler
+from lora_manager.slots import plan_resident
+
+PROMPTS = (PROMPT, "a green square on a yellow background", "a blue diamond on a white background")
+# Two batches of four that between them cover ranks 4..16, alphas above/below/not a multiple of the rank,
+# attention-only and attention+ff+conv targets, kohya files, text-encoder parts, strengths, none, and two-adapter mixes.
+BATCHES = [
+    [[("r4_attn", 0.7)], [], [("r7_conv", 1.0)], [("r8_kohya", 1.2)]],
+    [[("r6_te", 1.0)], [("r4_kohya_te", 0.6)], [("r16_half", 0.7), ("r6_te", 1.0)],
+     [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)]],
+]
+
+
+def levels(a: np.ndarray, b: np.ndarray) -> int:
+    """Largest per-pixel difference of two float images once rounded to 8 bits, in levels of 255."""
+    to8 = lambda x: (np.asarray(x) * 255).round().astype(int)  # noqa: E731
+    return int(np.abs(to8(a) - to8(b)).max())
+
+
+def run_together(m: LoraManager, requests: list[tuple], **params) -> list:
+    """Queue `requests` (mix, seed, prompt) while the worker is held, so the scheduler sees them all at once."""
+    gate = threading.Event()
+    blocker = m.submit(PROMPT, callback_on_step_end=lambda *a: (gate.wait(), a[3])[1])
+    futures = [m.submit(prompt, adapter=mix, seed=seed, output_type="np", **params) for mix, seed, prompt in requests]
+    gate.set()
+    blocker.result()
+    return [f.result() for f in futures]
+
+
+def ref(adapter_dir, mix, seed: int, prompt: str) -> np.ndarray:
+    return mix_reference([(adapter_dir / f"{i}.safetensors", s) for i, s in mix], seed, prompt)
+
+
+@pytest.fixture(scope="module")
+def batched(adapter_dir) -> LoraManager:
+    return LoraManager(load_tiny(), make_catalog(adapter_dir), max_batch=4, slots=2)
+
+
+@pytest.mark.parametrize("batch", BATCHES, ids=["attn-conv-kohya-none", "te-kohya-pairs"])
+def test_every_row_of_a_mixed_batch_equals_plain_diffusers_alone(batched, adapter_dir, batch):
+    requests = [(mix, 10 + i, PROMPTS[i % 3]) for i, mix in enumerate(batch)]
+    results = run_together(batched, requests)
+    assert [r.info["batch_size"] for r in results] == [4] * 4
+    base = ref(adapter_dir, [], 10, PROMPTS[0])
+    for (mix, seed, prompt), result in zip(requests, results):
+        assert levels(result.image, ref(adapter_dir, mix, seed, prompt)) <= 1, mix
+    assert levels(results[0].image, base) > 1  # the first row really ran its adapter, not the base model
+
+
+def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_dir, tmp_path, monkeypatch):
+    """The bad file is found only when an evicted adapter is re-read for a batch: checked before any write."""
+    shutil.copy(adapter_dir / "r4_kohya_te.safetensors", tmp_path / "victim.safetensors")
+    m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn", "r7_conv", "r6_te")), max_batch=4)
+    m.register("victim", str(tmp_path / "victim.safetensors"))
+    good = [([("r4_attn", 0.7)], 1, PROMPT), ([("r7_conv", 1.0)], 2, PROMPTS[1]), ([], 3, PROMPTS[2])]
+    expected = [r.image for r in run_together(m, good)]
+    pinned = m.info("r4_attn").bytes + m.info("r7_conv").bytes
+    monkeypatch.setattr(m.store, "budget_bytes", pinned + m.info("r6_te").bytes)
+    m.register("filler", str(adapter_dir / "r6_te.safetensors"))  # evicts every adapter not resident
+    monkeypatch.undo()
+    assert m.info("victim").status == "evicted"
+    (tmp_path / "victim.safetensors").write_bytes(b"")  # the file breaks while it is out of the cache
+
+    snapshot, swaps = [s.snapshot() for s in m.device_slots], m.stats()["swaps"]
+    gate = threading.Event()
+    blocker = m.submit(PROMPT, callback_on_step_end=lambda *a: (gate.wait(), a[3])[1])
+    futures = [m.submit(p, adapter=mix, seed=s, output_type="np") for mix, s, p in good[:2]]
+    bad = m.submit(PROMPT, adapter="victim", seed=4, output_type="np")
+    futures.append(m.submit(good[2][2], adapter=None, seed=3, output_type="np"))
+    gate.set()
+    blocker.result()
+    with pytest.raises(AdapterFormatError, match="'victim'.*empty"):
+        bad.result()
+    results = [f.result() for f in futures]
+    assert [r.info["batch_size"] for r in results] == [3] * 3
+    assert all(levels(r.image, e) <= 1 for r, e in zip(results, expected))
+    assert_same_slots(snapshot, [s.snapshot() for s in m.device_slots])
+    assert m.stats()["swaps"] == swaps
+
+
+def test_plan_resident_keeps_needed_adapters_and_evicts_the_least_recently_used():
+    used = {"a": 3, "b": 1, "c": 2}
+    assert plan_resident(["a", "b", "c"], ["a"], used) == ["a", "b", "c"]  # resident: nothing moves
+    assert plan_resident(["a", None, "c"], ["d", "a"], used) == ["a", "d", "c"]  # an empty slot first
+    assert plan_resident(["a", "b", "c"], ["d", "e", "a"], used) == ["a", "d", "e"]  # then b (oldest), then c
+    with pytest.raises(RequestError, match="3 adapters in one batch but there are 2 device slot"):
+        plan_resident(["a", "b"], ["c", "d", "e"], used)
+
+
+def test_device_slots_hold_the_batch_and_evict_the_least_recently_used(adapter_dir):
+    m = LoraManager(load_tiny(), make_catalog(adapter_dir), max_batch=2, device_slots=2)
+    run_together(m, [([("r4_attn", 1.0)], 0, PROMPT), ([("r7_conv", 1.0)], 0, PROMPT)])
+    run_together(m, [([("r7_conv", 1.0)], 0, PROMPT)])  # r7_conv is now the more recently used
+    run_together(m, [([("r16_half", 0.5)], 0, PROMPT)])  # evicts r4_attn, used longest ago
+    assert sorted(filter(None, m.stats()["live"])) == ["r16_half", "r7_conv"]
+    assert m.stats()["device_slots"] == 2 and m.stats()["slots"] == 1
+
+
+def _scheduler(batches: list, gate: threading.Event, **kw) -> Scheduler:
+    live = {"adapters": frozenset()}
+
+    def run(batch: list[Request]):
+        gate.wait()
+        live["adapters"] = frozenset().union(*(r.adapter_ids for r in batch))
+        batches.append([r.seed for r in batch])
+        return [r.seed for r in batch]
+
+    return Scheduler(run, lambda: live["adapters"], **kw)
+
+
+def test_scheduler_mixes_adapters_within_max_batch_device_slots_and_equal_params():
+    batches, gate = [], threading.Event()
+    s = _scheduler(batches, gate, max_batch=3, capacity=2)
+    s.submit(Request("p", (("a", 1.0),), 0))
+    time.sleep(0.05)  # the worker now holds request 0 at the gate
+    arrivals = [("b", {}), ("c", {}), ("d", {}), ("a", {"num_inference_steps": 3}), ("a", {}), ("e", {})]
+    futures = [s.submit(Request("p", ((x, 1.0),) if x else (), i + 1, p)) for i, (x, p) in enumerate(arrivals)]
+    gate.set()
+    assert [f.result(timeout=5) for f in futures] == list(range(1, len(arrivals) + 1))
+    # live {a}: the live adapter's requests first (4 alone: other steps), then 5 with b (2 device slots, not 3),
+    # then the oldest (c) with d, then e
+    assert batches[1:] == [[4], [5, 1], [2, 3], [6]]
+    assert s.stats.batches == 5
+
+
+def test_scheduler_fairness_holds_with_mixed_batches():
+    batches, gate = [], threading.Event()
+    s = _scheduler(batches, gate, max_batch=2, capacity=2, max_consecutive=2)
+    s.submit(Request("p", (("a", 1.0),), 0))
+    time.sleep(0.05)
+    futures = [s.submit(Request("p", (("z", 1.0),), 1, {"num_inference_steps": 3}))]  # shares a batch with nobody
+    futures += [s.submit(Request("p", (("a", 1.0),), i)) for i in range(2, 10)]
+    gate.set()
+    [f.result(timeout=5) for f in futures]
+    assert [1] in batches[: 1 + 3]  # served within max_consecutive batches of the live adapter's requests
+
+
+def test_compiled_mixed_batches_never_recompile(adapter_dir):
+    """Warm-up compiles each batch size once (1, 2, 4); after that no batch composition or size recompiles."""
+    # 8 device slots: four requests of two adapters each always fit in one batch
+    m = LoraManager(load_tiny(), make_catalog(adapter_dir), compile=True, max_batch=4, slots=2, device_slots=8)
+    assert m.stats()["batch_sizes"] == [1, 2, 4]
+    mixes = [[], [("r4_attn", 0.7)], [("r7_conv", 1.0)], [("r8_kohya", 1.2)], [("r6_te", 1.0)],
+             [("r4_kohya_te", 0.6)], [("r16_half", 1.5)], [("r16_half", 0.7), ("r6_te", 1.0)],
+             [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)]]
+    rng = random.Random(0)
+    checked = []
+    before = m.stats()["batches"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(16):  # each also runs the blocking request alone: 32 batches
+            size = (3, 4, 1, 2)[i % 4]
+            requests = [(rng.choice(mixes), rng.randrange(100), rng.choice(PROMPTS)) for _ in range(size)]
+            results = run_together(m, requests)
+            assert [r.info["batch_size"] for r in results] == [size] * size
+            if i in (0, 5):
+                checked += list(zip(requests, results))
+    stats = m.stats()
+    assert stats["batches"] - before >= 30 and stats["recompiles"] == 0
+    for (mix, seed, prompt), result in checked:
+        assert levels(result.image, ref(adapter_dir, mix, seed, prompt)) <= 1, mix
