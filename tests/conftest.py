@@ -106,6 +106,16 @@ def one(adapter: str | None, strength: float) -> tuple:
     return ((adapter, strength),) if adapter else ()
 
 
+def break_while_evicted(m: LoraManager, adapter_dir: Path, victim: Path, monkeypatch, resident: tuple[str, ...]) -> None:
+    """Evict every adapter but `resident` from the CPU cache (a budget that holds only them and one filler), then
+    empty the evicted `victim` file: the engine finds it broken only when it re-reads it."""
+    monkeypatch.setattr(m.store, "budget_bytes", sum(m.info(a).bytes for a in resident) + m.info("r6_te").bytes)
+    m.register("filler", str(adapter_dir / "r6_te.safetensors"))  # evicts every adapter not resident
+    monkeypatch.undo()
+    assert m.info("victim").status == "evicted"
+    victim.write_bytes(b"")
+
+
 def snapshot_slots(manager: LoraManager) -> list[dict]:
     return [slot.snapshot() for slot in manager.slots]
 

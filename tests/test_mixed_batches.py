@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, assert_same_slots, load_tiny, make_catalog, mix_reference
+from conftest import PROMPT, assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError
 from lora_manager.scheduler import Request, Scheduler
@@ -70,12 +70,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_d
     m.register("victim", str(tmp_path / "victim.safetensors"))
     good = [([("r4_attn", 0.7)], 1, PROMPT), ([("r7_conv", 1.0)], 2, PROMPTS[1]), ([], 3, PROMPTS[2])]
     expected = [r.image for r in run_together(m, good)]
-    pinned = m.info("r4_attn").bytes + m.info("r7_conv").bytes
-    monkeypatch.setattr(m.store, "budget_bytes", pinned + m.info("r6_te").bytes)
-    m.register("filler", str(adapter_dir / "r6_te.safetensors"))  # evicts every adapter not resident
-    monkeypatch.undo()
-    assert m.info("victim").status == "evicted"
-    (tmp_path / "victim.safetensors").write_bytes(b"")  # the file breaks while it is out of the cache
+    break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", monkeypatch, ("r4_attn", "r7_conv"))
 
     snapshot, swaps = [s.snapshot() for s in m.device_slots], m.stats()["swaps"]
     gate = threading.Event()

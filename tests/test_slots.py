@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, assert_same_slots, load_tiny, make_catalog, mix_reference, snapshot_slots
+from conftest import (PROMPT, assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference,
+                      snapshot_slots)
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError, UnknownAdapterError
 from lora_manager.request_schema import normalize_mix
@@ -127,12 +128,7 @@ def test_a_bad_adapter_in_a_mix_leaves_every_slot_bit_identical(adapter_dir, tmp
     m.register("victim", str(tmp_path / "victim.safetensors"))
     live = [("r4_attn", 0.7), ("r7_conv", 1.0)]
     expected = image(m, live)
-    pinned = m.info("r4_attn").bytes + m.info("r7_conv").bytes
-    monkeypatch.setattr(m.store, "budget_bytes", pinned + m.info("r6_te").bytes)
-    m.register("filler", str(adapter_dir / "r6_te.safetensors"))  # evicts every adapter not live
-    monkeypatch.undo()
-    assert m.info("victim").status == "evicted"
-    (tmp_path / "victim.safetensors").write_bytes(b"")  # the file breaks while it is out of the cache
+    break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", monkeypatch, ("r4_attn", "r7_conv"))
 
     snapshot, swaps = snapshot_slots(m), m.stats()["swaps"]
     for bad in ([("r4_attn", 0.7), ("victim", 1.0)], [("victim", 1.0), ("r7_conv", 0.5)]):
