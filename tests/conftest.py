@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from diffusers import StableDiffusionPipeline  # noqa: E402
-from lora_factory import ATTN, ATTN_FF_CONV, write_adapter  # noqa: E402
+from lora_factory import ATTN_FF_CONV, write_adapter  # noqa: E402
 
 from lora_manager import AdapterSpec, Catalog, LoraManager  # noqa: E402
 
