@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lora_manager.loadtest import levels
+
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = os.environ.get("APP_TEST_PRESET", "tiny")
 CATALOG = Path(PRESET) if PRESET.endswith(".json") else ROOT / "lora_manager" / "presets" / PRESET / "catalog.json"
@@ -166,12 +168,17 @@ def test_add_adapter_from_hub(client):
 
 
 def test_concurrent_api_requests_each_get_their_own_adapter(client):
-    """Concurrent requests through the Gradio API: submitted together, each result equals the same request served alone."""
+    """Concurrent requests through the Gradio API: submitted together (so they share mixed batches), each result
+    equals the same request served alone within 1 level of 255: a batch of N rows rounds its matmuls differently
+    from a batch of one, the base model's included."""
+    from PIL import Image
+
     jobs = [(adapter, seed) for seed in (5, 6) for adapter in ["", *adapter_ids()[:3]]]
     pending = [client.submit(PROMPT, a, 0.9, s, 4, api_name="/generate") for a, s in jobs]
-    together = [_digest(job.result(timeout=300)[0]) for job in pending]
-    alone = [_digest(client.predict(PROMPT, a, 0.9, s, 4, api_name="/generate")[0]) for a, s in jobs]
-    assert together == alone
+    together = [Image.open(job.result(timeout=300)[0]).convert("RGB") for job in pending]
+    alone = [Image.open(client.predict(PROMPT, a, 0.9, s, 4, api_name="/generate")[0]).convert("RGB") for a, s in jobs]
+    diffs = [levels(t, a) for t, a in zip(together, alone)]
+    assert max(diffs) <= 1, diffs
 
 
 def test_strategies_tab_measures_every_option(client):
