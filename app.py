@@ -1,7 +1,7 @@
 """Gradio Space for lora_manager: one pipeline, many LoRAs chosen per request, hotswapped without recompiling.
 
     python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
-                  [--slots K] [--max-batch B] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860]
+                  [--slots K] [--max-batch B] [--aot-package FILE] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860]
                   [--share]
 
 Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, LORA_MAX_BATCH,
@@ -17,6 +17,8 @@ import time
 _T0 = time.time()  # "ready in" counts from here, before the heavy imports below
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -27,14 +29,16 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
 from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
-from lora_manager.remote import RemoteManager  # noqa: E402
 from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, shorten  # noqa: E402
+from lora_manager.serving.protocol import Engine  # noqa: E402
+from lora_manager.serving.remote import RemoteManager  # noqa: E402
 
 try:  # ZeroGPU: a GPU is attached only inside functions decorated with spaces.GPU
     import spaces
@@ -52,6 +56,7 @@ log = logging.getLogger("app")
 SEED_MAX = 2**32 - 1
 MAX_UPLOAD = "1kb"  # the app has no file input: Gradio's upload route gets nothing bigger than this
 STRATEGIES_TIMEOUT_S = 600
+_STRATEGIES_LOCK = threading.Lock()  # one measurement at a time, in a process of its own
 # Gradio lets this many generate calls reach the engine at once; its scheduler runs one at a time, grouped by adapter,
 # and answers "Busy ... retry" when its own queue is full.
 GENERATE_CONCURRENCY = 8
@@ -124,7 +129,12 @@ def _info_lines(info: dict) -> str:
         f"**recompiles: {info['recompiles']}** since start",
         f"**CPU cache:** {len(cache.get('adapters', {}))} adapters, {_mb(cache.get('bytes'))} of "
         f"{_mb(cache.get('budget_bytes'))}: {held}",
+        f"**start-up:** {_phases(info.get('startup_s') or {}) or 'not measured'}",
     ])
+
+
+def _phases(startup_s: dict[str, float]) -> str:
+    return ", ".join(f"{name.replace('_', ' ')} {s:.1f} s" for name, s in startup_s.items())
 
 
 def _text(value, name: str, limit: int) -> str:
@@ -147,11 +157,11 @@ def _float(value, name: str, default: float) -> float:
     return number
 
 
-def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None) -> str:
+def _adapter_id_for(engine: Engine, repo_id: str, weight_name: str | None) -> str:
     """A readable id from the repo name (+ file stem); reuses the id of the same source, else adds -2, -3, ..."""
     base = repo_id.rsplit("/", 1)[-1] + (f"-{Path(weight_name).stem}" if weight_name else "")
     base = re.sub(r"[^\w.-]+", "-", base).strip("-.").lower() or "adapter"
-    taken = {a.id: (a.source, a.spec.weight_name) for a in manager.adapters()}
+    taken = {a.id: (a.source, a.spec.weight_name) for a in engine.adapters()}
     candidate, n = base, 1
     while candidate in taken and taken[candidate] != (repo_id, weight_name):
         n += 1
@@ -159,199 +169,230 @@ def _adapter_id_for(manager: LoraManager, repo_id: str, weight_name: str | None)
     return candidate
 
 
-# ---- the app --------------------------------------------------------------------------------------------------------
+# ---- handlers: module-level functions of the engine, bound to it by build_demo ------------------------------------
 
 
-def build_demo(manager: LoraManager | RemoteManager) -> gr.Blocks:
-    """The Blocks app over `manager`; the caller queues and launches it."""
-    defaults = manager.generation_defaults
-    combine = len(manager.slots) > 1
-    model = manager.model_name
-    strategies_lock = threading.Lock()  # one measurement at a time, in a process of its own
+def gallery_items(engine: Engine) -> list[tuple]:
+    none = engine.asset_path("previews/none.png")
+    items = [(str(none) if none else _placeholder("No adapter"), "No adapter")]
+    for a in engine.adapters():
+        preview = engine.asset_path(a.spec.preview)
+        items.append((str(preview) if preview else _placeholder(a.spec.display_name), a.spec.display_name))
+    return items
 
-    def gallery_items() -> list[tuple]:
-        none = manager.asset_path("previews/none.png")
-        items = [(str(none) if none else _placeholder("No adapter"), "No adapter")]
-        for a in manager.adapters():
-            preview = manager.asset_path(a.spec.preview)
-            items.append((str(preview) if preview else _placeholder(a.spec.display_name), a.spec.display_name))
-        return items
 
-    @gpu
-    def generate(prompt: str, adapter, strength: float, seed: int, steps: int | None, progress=gr.Progress()):
-        """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
-        hotswap slot); `strength` applies to entries without their own; `steps` None for the preset's default.
-        Every value is checked by the engine's request schema. Returns the image and its info."""
-        total = steps if type(steps) is int and steps > 0 else defaults.get("num_inference_steps", 1)
+@gpu
+def generate(engine: Engine, prompt: str, adapter, strength: float, seed: int, steps: int | None,
+             progress=gr.Progress()):
+    """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
+    hotswap slot); `strength` applies to entries without their own; `steps` None for the preset's default.
+    Every value is checked by the engine's request schema. Returns the image and its info."""
+    total = steps if type(steps) is int and steps > 0 else engine.generation_defaults.get("num_inference_steps", 1)
 
-        def on_step(pipe, step, timestep, kwargs):
-            progress((step + 1, total), desc="denoising", unit="steps")
-            return kwargs
+    def on_step(pipe, step, timestep, kwargs):
+        progress((step + 1, total), desc="denoising", unit="steps")
+        return kwargs
 
-        progress((0, total), desc="swapping adapter", unit="steps")
+    progress((0, total), desc="swapping adapter", unit="steps")
+    try:
+        result = engine.generate(prompt, adapter=adapter, strength=strength, seed=seed, steps=steps,
+                                 callback_on_step_end=on_step)
+    except LoraManagerError as e:
+        raise gr.Error(str(e)) from e
+    stats = engine.stats()
+    held = {a.id: a.bytes for a in engine.adapters() if a.status != "evicted"}
+    cache = {"adapters": held, "bytes": stats["cache_bytes"], "budget_bytes": stats["cache_budget_bytes"],
+             "hits": stats["cache_hits"], "misses": stats["cache_misses"], "evictions": stats["cache_evictions"]}
+    return result.image, {**result.info, "swap_ms_median": stats["swap_ms_median"], "cpu_cache": cache,
+                          "compile_source": stats.get("compile_source"), "startup_s": engine.startup_s}
+
+
+def add_adapter(engine: Engine, repo_id: str, weight_name: str, progress=gr.Progress(track_tqdm=True)) -> str:
+    """Download a LoRA from the Hub, check it against the loaded template and register it; returns a status."""
+    repo_id = _text(repo_id, "Hub repo id", MAX_ID_CHARS)
+    weight_name = _text(weight_name, "weight name", MAX_ID_CHARS) or None
+    progress(0, desc=f"fetching {repo_id}")
+    try:
+        info = engine.register(_adapter_id_for(engine, repo_id, weight_name), repo_id,
+                               weight_name=weight_name, allow_local=False)
+    except LoraManagerError as e:
+        return f"**Refused:** {e}"
+    return f"**Added.** {_details(info)}  \nPick it in the gallery above."
+
+
+def prepare(engine: Engine, prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra):
+    """UI only: what /generate is sent: the adapters ([id, strength] per filled slot), the prompt (their triggers
+    appended), strength, seed (fresh when randomize is on) and steps. `extra` holds the combine rows: id,
+    strength, ... It refuses what is not text or a number, naming the field; /generate checks the ranges."""
+    prompt = _text(prompt, "Prompt", MAX_PROMPT_CHARS)
+    strength = _float(strength, "Strength", 1.0)
+    rows = [(adapter_id, strength)] + list(zip(extra[::2], extra[1::2]))
+    mix = [[_text(i, "adapter", MAX_ID_CHARS), _float(s, "strength", strength)] for i, s in rows if i]
+    for i, _ in mix if add_trigger is True else ():
         try:
-            result = manager.generate(prompt, adapter=adapter, strength=strength, seed=seed, steps=steps,
-                                      callback_on_step_end=on_step)
-        except LoraManagerError as e:
-            raise gr.Error(str(e)) from e
-        stats = manager.stats()
-        held = {a.id: a.bytes for a in manager.adapters() if a.status != "evicted"}
-        cache = {"adapters": held, "bytes": stats["cache_bytes"], "budget_bytes": stats["cache_budget_bytes"],
-                 "hits": stats["cache_hits"], "misses": stats["cache_misses"], "evictions": stats["cache_evictions"]}
-        return result.image, {**result.info, "swap_ms_median": stats["swap_ms_median"], "cpu_cache": cache,
-                              "compile_source": stats.get("compile_source")}
+            trigger = engine.spec(i).trigger
+        except LoraManagerError:  # unknown id: /generate reports it
+            trigger = ""
+        if trigger and trigger not in prompt:
+            prompt = f"{prompt}, {trigger}" if prompt else trigger
+    seed = random.randint(0, SEED_MAX) if randomize is True else round(_float(seed, "Seed", 0.0))
+    steps = round(_float(steps, "Steps", 0.0)) or None
+    return mix, prompt, seed, strength, seed, steps
 
-    def add_adapter(repo_id: str, weight_name: str, progress=gr.Progress(track_tqdm=True)) -> str:
-        """Download a LoRA from the Hub, check it against the loaded template and register it; returns a status."""
-        repo_id = _text(repo_id, "Hub repo id", MAX_ID_CHARS)
-        weight_name = _text(weight_name, "weight name", MAX_ID_CHARS) or None
-        progress(0, desc=f"fetching {repo_id}")
-        try:
-            info = manager.register(_adapter_id_for(manager, repo_id, weight_name), repo_id,
-                                    weight_name=weight_name, allow_local=False)
-        except LoraManagerError as e:
-            return f"**Refused:** {e}"
-        return f"**Added.** {_details(info)}  \nPick it in the gallery above."
 
-    def prepare(prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra):
-        """UI only: what /generate is sent: the adapters ([id, strength] per filled slot), the prompt (their triggers
-        appended), strength, seed (fresh when randomize is on) and steps. `extra` holds the combine rows: id,
-        strength, ... It refuses what is not text or a number, naming the field; /generate checks the ranges."""
-        prompt = _text(prompt, "Prompt", MAX_PROMPT_CHARS)
-        strength = _float(strength, "Strength", 1.0)
-        rows = [(adapter_id, strength)] + list(zip(extra[::2], extra[1::2]))
-        mix = [[_text(i, "adapter", MAX_ID_CHARS), _float(s, "strength", strength)] for i, s in rows if i]
-        for i, _ in mix if add_trigger is True else ():
-            try:
-                trigger = manager.spec(i).trigger
-            except LoraManagerError:  # unknown id: /generate reports it
-                trigger = ""
-            if trigger and trigger not in prompt:
-                prompt = f"{prompt}, {trigger}" if prompt else trigger
-        seed = random.randint(0, SEED_MAX) if randomize is True else round(_float(seed, "Seed", 0.0))
-        steps = round(_float(steps, "Steps", 0.0)) or None
-        return mix, prompt, seed, strength, seed, steps
+def adapter_choices(engine: Engine) -> list[tuple[str, str]]:
+    return [("none", "")] + [(a.spec.display_name, a.id) for a in engine.adapters()]
 
-    def adapter_choices() -> list[tuple[str, str]]:
-        return [("none", "")] + [(a.spec.display_name, a.id) for a in manager.adapters()]
 
-    def refresh_choices():
-        return [gr.Dropdown(choices=adapter_choices()) for _ in extra[::2]]
+def select(engine: Engine, strength: float, evt: gr.SelectData):
+    """A gallery click: the adapter's id, its catalog strength and its details (the first tile is no adapter)."""
+    adapters = engine.adapters()
+    index = evt.index if isinstance(evt.index, int) else 0
+    a = adapters[index - 1] if 0 < index <= len(adapters) else None
+    return (a.id if a else ""), (a.spec.strength if a else strength), _details(a)
 
-    def select(strength: float, evt: gr.SelectData):
-        adapters = manager.adapters()
-        index = evt.index if isinstance(evt.index, int) else 0
-        a = adapters[index - 1] if 0 < index <= len(adapters) else None
-        return (a.id if a else ""), (a.spec.strength if a else strength), _details(a)
 
-    def strategies(repeats: int, progress=gr.Progress()):
-        """Time every way of switching adapters on fresh copies of the embedded model, in a process of its own (one
-        torch thread; never the live pipeline), one measurement at a time."""
-        if isinstance(repeats, bool) or not isinstance(repeats, (int, float)) or not 2 <= repeats <= 20:
-            raise gr.Error(f"repeats must be a number between 2 and 20, got {shorten(repeats)}.")
-        if not strategies_lock.acquire(blocking=False):
-            raise gr.Error("A measurement is already running; try again when it has finished.")
-        try:
-            progress(0, desc="measuring reload, set_adapters, diffusers hotswap and the engine's swap")
-            report = _run_bench(int(repeats))
-        finally:
-            strategies_lock.release()
-        from lora_manager import bench  # matplotlib: loaded when the tab is used, not at start-up
+def strategies(repeats: int, progress=gr.Progress()):
+    """Time every way of switching adapters on fresh copies of the embedded model, in a process of its own (one
+    torch thread; never the live pipeline), one measurement at a time."""
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, float)) or not 2 <= repeats <= 20:
+        raise gr.Error(f"repeats must be a number between 2 and 20, got {shorten(repeats)}.")
+    if not _STRATEGIES_LOCK.acquire(blocking=False):
+        raise gr.Error("A measurement is already running; try again when it has finished.")
+    try:
+        progress(0, desc="measuring reload, set_adapters, diffusers hotswap and the engine's swap")
+        report = _run_bench(int(repeats))
+    finally:
+        _STRATEGIES_LOCK.release()
+    from lora_manager.bench import swaps  # matplotlib: loaded when the tab is used, not at start-up
 
-        floor = report["results"]["floor_per_tensor_ms"]
-        rows = [[k.removesuffix("_ms"), round(v, 3), round(v / floor, 2)] for k, v in report["results"].items()]
-        return bench.make_figure(report), rows, report
+    floor = report["results"]["floor_per_tensor_ms"]
+    rows = [[k.removesuffix("_ms"), round(v, 3), round(v / floor, 2)] for k, v in report["results"].items()]
+    return swaps.make_figure(report), rows, report
 
+
+def _bind(fn: Callable, engine: Engine) -> Callable:
+    """`fn` with the engine filled in, as Gradio should see it: the same name, docstring and parameters (minus
+    the engine), so its API page, `gr.Progress` and `gr.SelectData` work as for a plain function."""
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+        return fn(engine, *args, **kwargs)
+
+    signature = inspect.signature(fn)
+    bound.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return bound
+
+
+# ---- layout ---------------------------------------------------------------------------------------------------------
+
+
+def _header(engine: Engine) -> str:
+    combine = engine.max_adapters > 1
+    return (
+        "# LoRA hotswap\n"
+        f"One `{engine.model_name}` pipeline serves every LoRA below. Each request carries its own adapter "
+        "and strength; the engine copies that adapter's weights in place into a fixed-rank template "
+        f"(rank {engine.target_rank}), so the model is never reloaded and a compiled model is never recompiled: "
+        "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache."
+        + (f" Up to {engine.max_adapters} LoRAs combine in one request (one hotswap slot each)." if combine else "")
+        + "\n\n"
+        f"*{engine.catalog.description}*\n\n"
+        "> On ZeroGPU Spaces torch.compile is unavailable: the swap runs eagerly there (compiled: no)."
+    )
+
+
+def _generate_tab(demo: gr.Blocks, engine: Engine) -> None:
+    """The Generate tab and its events: gallery, prompt and settings, image and info, and "Add a LoRA"."""
+    defaults, combine = engine.generation_defaults, engine.max_adapters > 1
+    with gr.Row():
+        with gr.Column(scale=3):
+            gallery = gr.Gallery(label="Adapters (click to select)", columns=4,
+                                 height="auto", allow_preview=False, object_fit="contain",
+                                 selected_index=0, elem_id="gallery", format="png", interactive=False,
+                                 buttons=[])
+            with gr.Row():
+                adapter_id = gr.Textbox("", label="adapter_id", placeholder="(none)", interactive=False,
+                                        scale=1, elem_id="adapter-id")
+                details = gr.Markdown(_details(None), elem_id="adapter-details")
+            extra = []  # (adapter, strength) per further slot
+            with gr.Accordion(f"Combine LoRAs (up to {engine.max_adapters})", open=False, visible=combine,
+                              elem_id="combine"):
+                for k in range(2, engine.max_adapters + 1):
+                    with gr.Row():
+                        extra.append(gr.Dropdown(adapter_choices(engine), value="", label=f"adapter {k}",
+                                                 elem_id=f"adapter-{k}"))
+                        extra.append(gr.Slider(0, 2, 1.0, step=0.05, label=f"strength {k}"))
+            prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2, elem_id="prompt")
+            add_trigger = gr.Checkbox(True, label="add trigger words")
+            with gr.Row():
+                strength = gr.Slider(0, 2, 1.0, step=0.05, label="Strength")
+                steps = gr.Slider(1, 50, int(defaults.get("num_inference_steps", 20)), step=1, label="Steps")
+            with gr.Row():
+                seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
+                randomize = gr.Checkbox(False, label="randomize")
+            run = gr.Button("Generate", variant="primary", elem_id="generate")
+        with gr.Column(scale=2):
+            image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=384,
+                             elem_id="output-image")
+            panel = gr.Markdown(info_markdown(None), elem_id="info-panel")
+            with gr.Accordion("Full info (JSON)", open=False):
+                info = gr.JSON(label="info")
+    # what /generate receives, as its API documents it; JSON passes values through unconverted, so the
+    # request schema (not a component's converter) checks them and names the field it refuses
+    sent_prompt = gr.Textbox(visible=False, label="prompt")
+    sent_adapters = gr.JSON(visible=False, label="adapter")  # [[id, strength], ...] per filled slot
+    sent_strength = gr.JSON(visible=False, label="strength")
+    sent_seed = gr.JSON(visible=False, label="seed")
+    sent_steps = gr.JSON(visible=False, label="steps")
+    with gr.Accordion("Add a LoRA from the Hub", open=False, elem_id="add-box"):
+        with gr.Row():
+            repo_id = gr.Textbox("", label="Hub repo id", placeholder="owner/name", elem_id="repo-id")
+            weight_name = gr.Textbox("", label="weight name (optional)", placeholder="lora.safetensors")
+        add = gr.Button("Add", elem_id="add")
+        status = gr.Markdown(label="status", elem_id="add-status")
+
+    gallery_of = _bind(gallery_items, engine)
+    demo.load(gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden")
+    gallery.select(_bind(select, engine), strength, [adapter_id, strength, details], api_visibility="private")
+    (run.click(_bind(prepare, engine), [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
+               [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps], api_visibility="private",
+               queue=False)
+        .success(_bind(generate, engine), [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
+                 [image, info], api_name="generate", concurrency_limit=GENERATE_CONCURRENCY)
+        .then(info_markdown, info, panel, api_visibility="private", queue=False))
+    added = (add.click(_bind(add_adapter, engine), [repo_id, weight_name], status, api_name="add_adapter")
+             .then(gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
+    if extra:
+        refresh = lambda: [gr.Dropdown(choices=adapter_choices(engine)) for _ in extra[::2]]  # noqa: E731
+        added.then(refresh, None, extra[::2], api_visibility="private", queue=False, show_progress="hidden")
+
+
+def _strategies_tab() -> None:
+    gr.Markdown(
+        "Every way of switching adapters side by side, measured now on fresh copies of the embedded tiny model "
+        "(the live pipeline is not touched): reload per request, every adapter resident with "
+        "`set_adapters` (forward cost against the number resident), diffusers' `hotswap=True`, and this "
+        "engine's in-place swap, against the floor of copying the same bytes. "
+        "`python -m lora_manager bench --scale sdxl` runs the same at SDXL size."
+    )
+    with gr.Row():
+        repeats = gr.Slider(2, 20, 3, step=1, label="repeats (median of)")
+        measure = gr.Button("Measure", variant="primary", elem_id="measure")
+    plot = gr.Plot(label="switch latency and resident-adapter cost")
+    table = gr.Dataframe(headers=["strategy", "ms", "x floor"], label="median ms per switch")
+    with gr.Accordion("Full report (JSON)", open=False):
+        report = gr.JSON()
+    measure.click(strategies, repeats, [plot, table, report], api_name="strategies")
+
+
+def build_demo(engine: Engine) -> gr.Blocks:
+    """The Blocks app over `engine` (`LoraManager` in-process or `RemoteManager`); the caller queues and launches."""
     with gr.Blocks(title="LoRA hotswap") as demo:
-        gr.Markdown(
-            "# LoRA hotswap\n"
-            f"One `{model}` pipeline serves every LoRA below. Each request carries its own adapter "
-            "and strength; the engine copies that adapter's weights in place into a fixed-rank template "
-            f"(rank {manager.target_rank}), so the model is never reloaded and a compiled model is never recompiled: "
-            "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache."
-            + (f" Up to {len(manager.slots)} LoRAs combine in one request (one hotswap slot each)." if combine else "")
-            + "\n\n"
-            f"*{manager.catalog.description}*\n\n"
-            "> On ZeroGPU Spaces torch.compile is unavailable: the swap runs eagerly there (compiled: no)."
-        )
+        gr.Markdown(_header(engine))
         with gr.Tab("Generate"):
-            with gr.Row():
-                with gr.Column(scale=3):
-                    gallery = gr.Gallery(label="Adapters (click to select)", columns=4,
-                                         height="auto", allow_preview=False, object_fit="contain",
-                                         selected_index=0, elem_id="gallery", format="png", interactive=False,
-                                         buttons=[])
-                    with gr.Row():
-                        adapter_id = gr.Textbox("", label="adapter_id", placeholder="(none)", interactive=False,
-                                                scale=1, elem_id="adapter-id")
-                        details = gr.Markdown(_details(None), elem_id="adapter-details")
-                    extra = []  # (adapter, strength) per further slot
-                    with gr.Accordion(f"Combine LoRAs (up to {len(manager.slots)})", open=False, visible=combine,
-                                      elem_id="combine"):
-                        for k in range(2, len(manager.slots) + 1):
-                            with gr.Row():
-                                extra.append(gr.Dropdown(adapter_choices(), value="", label=f"adapter {k}",
-                                                         elem_id=f"adapter-{k}"))
-                                extra.append(gr.Slider(0, 2, 1.0, step=0.05, label=f"strength {k}"))
-                    prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2,
-                                        elem_id="prompt")
-                    add_trigger = gr.Checkbox(True, label="add trigger words")
-                    with gr.Row():
-                        strength = gr.Slider(0, 2, 1.0, step=0.05, label="Strength")
-                        steps = gr.Slider(1, 50, int(defaults.get("num_inference_steps", 20)), step=1, label="Steps")
-                    with gr.Row():
-                        seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
-                        randomize = gr.Checkbox(False, label="randomize")
-                    run = gr.Button("Generate", variant="primary", elem_id="generate")
-                with gr.Column(scale=2):
-                    image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=384,
-                                     elem_id="output-image")
-                    panel = gr.Markdown(info_markdown(None), elem_id="info-panel")
-                    with gr.Accordion("Full info (JSON)", open=False):
-                        info = gr.JSON(label="info")
-            # what /generate receives, as its API documents it; JSON passes values through unconverted, so the
-            # request schema (not a component's converter) checks them and names the field it refuses
-            sent_prompt = gr.Textbox(visible=False, label="prompt")
-            sent_adapters = gr.JSON(visible=False, label="adapter")  # [[id, strength], ...] per filled slot
-            sent_strength = gr.JSON(visible=False, label="strength")
-            sent_seed = gr.JSON(visible=False, label="seed")
-            sent_steps = gr.JSON(visible=False, label="steps")
-            with gr.Accordion("Add a LoRA from the Hub", open=False, elem_id="add-box"):
-                with gr.Row():
-                    repo_id = gr.Textbox("", label="Hub repo id", placeholder="owner/name", elem_id="repo-id")
-                    weight_name = gr.Textbox("", label="weight name (optional)", placeholder="lora.safetensors")
-                add = gr.Button("Add", elem_id="add")
-                status = gr.Markdown(label="status", elem_id="add-status")
-
+            _generate_tab(demo, engine)
         with gr.Tab("Strategies"):
-            gr.Markdown(
-                "Every way of switching adapters side by side, measured now on fresh copies of the embedded tiny model "
-                "(the live pipeline is not touched): reload per request, every adapter resident with "
-                "`set_adapters` (forward cost against the number resident), diffusers' `hotswap=True`, and this "
-                "engine's in-place swap, against the floor of copying the same bytes. "
-                "`python -m lora_manager bench --scale sdxl` runs the same at SDXL size."
-            )
-            with gr.Row():
-                repeats = gr.Slider(2, 20, 3, step=1, label="repeats (median of)")
-                measure = gr.Button("Measure", variant="primary", elem_id="measure")
-            plot = gr.Plot(label="switch latency and resident-adapter cost")
-            table = gr.Dataframe(headers=["strategy", "ms", "x floor"], label="median ms per switch")
-            with gr.Accordion("Full report (JSON)", open=False):
-                report = gr.JSON()
-            measure.click(strategies, repeats, [plot, table, report], api_name="strategies")
-
-        demo.load(gallery_items, None, gallery, api_visibility="private", queue=False, show_progress="hidden")
-        gallery.select(select, strength, [adapter_id, strength, details], api_visibility="private")
-        (run.click(prepare, [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
-                   [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps], api_visibility="private",
-                   queue=False)
-            .success(generate, [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps], [image, info],
-                     api_name="generate", concurrency_limit=GENERATE_CONCURRENCY)
-            .then(info_markdown, info, panel, api_visibility="private", queue=False))
-        added = (add.click(add_adapter, [repo_id, weight_name], status, api_name="add_adapter")
-                 .then(gallery_items, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
-        if extra:
-            added.then(refresh_choices, None, extra[::2], api_visibility="private", queue=False, show_progress="hidden")
+            _strategies_tab()
     return demo
 
 
@@ -386,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_env_bool("LORA_COMPILE"),
                    help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)")
+    p.add_argument("--aot-package", default=os.environ.get("LORA_AOT_PACKAGE") or None,
+                   help="run the denoiser from this AOTInductor package (`python -m lora_manager aot-package`) "
+                        "instead of compiling; needs --max-batch 1 --slots 1 (env LORA_AOT_PACKAGE)")
     p.add_argument("--target-rank", type=int, default=None, help="hotswap template rank (default: largest in catalog)")
     p.add_argument("--cache-mb", type=int, default=None, help="CPU adapter cache budget in MiB (default 4096)")
     p.add_argument("--slots", type=int, default=int(os.environ.get("LORA_SLOTS", 2)),
@@ -403,11 +447,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    imports_s = time.time() - _T0
     args = parse_args(argv)
-    kwargs = {"target_rank": args.target_rank, "slots": args.slots, "max_batch": args.max_batch}
+    kwargs = {"target_rank": args.target_rank, "slots": args.slots, "max_batch": args.max_batch,
+              "aot_package": args.aot_package}
     if args.cache_mb is not None:
         kwargs["cache_bytes"] = args.cache_mb * 2**20
-    compile_ = False if ZERO_GPU else args.compile
+    compile_ = False if ZERO_GPU or args.aot_package else args.compile
     try:
         if args.backend == "ray":
             manager = RemoteManager(args.ray_url, args.preset)
@@ -415,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
             manager = LoraManager.from_preset(args.preset, compile=compile_, **kwargs)
     except (ValueError, LoraManagerError) as e:  # unknown preset, bad catalog: one line, no traceback
         raise SystemExit(f"app.py: {e}") from e
+    manager.startup_s = {"imports": imports_s, **manager.startup_s}
+    launch_t0 = time.time()
     for adapter_id, reason in manager.errors.items():
         print(f"skipped adapter {adapter_id}: {reason}", flush=True)
     demo = build_demo(manager)
@@ -424,8 +472,10 @@ def main(argv: list[str] | None = None) -> None:
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, prevent_thread_lock=True,
                 css=CSS, allowed_paths=sorted(previews | ({str(none.parent)} if none else set())),
                 max_file_size=MAX_UPLOAD, show_error=True)
+    manager.startup_s["ui_launch"] = time.time() - launch_t0
     print(f"ready in {time.time() - _T0:.1f} s at {demo.local_url} (preset {args.preset}, "
-          f"compiled: {manager.compile_source}, {len(manager.adapters())} adapters)", flush=True)
+          f"compiled: {manager.compile_source}, {len(manager.adapters())} adapters; {_phases(manager.startup_s)})",
+          flush=True)
     demo.block_thread()
 
 

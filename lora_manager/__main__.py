@@ -37,9 +37,9 @@ def _adapter_arg(text: str, strength: float) -> tuple[str, float]:
 def cmd_inspect(args: argparse.Namespace) -> None:
     import diffusers
 
-    from .adapter_file import read_adapter
-    from .inspection import summarize
-    from .sources import resolve
+    from .adapters.reader import read_adapter
+    from .adapters.inspection import summarize
+    from .adapters.sources import resolve
 
     pipeline_cls = getattr(diffusers, PIPELINES[args.pipeline])
     path = resolve(args.source, args.source, args.weight_name, args.revision)
@@ -52,7 +52,7 @@ def cmd_compile_cache(args: argparse.Namespace) -> None:
     """Compile the preset's engine once in an empty inductor cache and pack that cache as the preset's bundle."""
     import tempfile
 
-    from . import compile_cache
+    from .hotswap import compile_cache
     from .engine import LoraManager
 
     with tempfile.TemporaryDirectory() as fresh:
@@ -66,26 +66,43 @@ def cmd_compile_cache(args: argparse.Namespace) -> None:
                       "compile_s": round(m.compile_s, 1), "key": m.compile_key.slug}, indent=2))
 
 
+def cmd_aot_package(args: argparse.Namespace) -> None:
+    """AOT-compile the preset's denoiser, template in place, into a package whose LoRA tensors stay swappable."""
+    import time
+
+    from .engine import LoraManager
+    from .hotswap.aot import DenoiserShapes, package_denoiser
+
+    with LoraManager.from_preset(args.preset, compile=False, slots=args.slots) as m:
+        gen = m.generation_defaults
+        shapes = DenoiserShapes.for_pipeline(m.pipe, gen.get("height", 512), gen.get("width", 512),
+                                             guidance=gen.get("guidance_scale", 7.5) > 1)
+        t0 = time.perf_counter()
+        path = package_denoiser(m.pipe, args.out, shapes)
+    print(json.dumps({"package": str(path), "mb": round(path.stat().st_size / 2**20, 1),
+                      "build_s": round(time.perf_counter() - t0, 1), "shapes": shapes.describe()}, indent=2))
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
-    from . import bench
+    from .bench import swaps as bench
 
     bench.main(args)
 
 
 def cmd_loadtest(args: argparse.Namespace) -> None:
-    from . import loadtest
+    from .bench import load as loadtest
 
     loadtest.main(args.clients, args.requests, args.seed, args.json, args.preset, args.max_batch, args.rounds)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from . import serve  # needs `pip install "ray[serve]"`
+    from .serving import ray_app as serve  # needs `pip install "ray[serve]"`
 
     serve.main(args)
 
 
 def cmd_servebench(args: argparse.Namespace) -> None:
-    from . import serve_bench
+    from .bench import serve_load as serve_bench
 
     serve_bench.main(args)
 
@@ -121,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     cc.add_argument("--max-batch", type=int, default=int(os.environ.get("LORA_MAX_BATCH", 4)),
                     help="as the app runs it (env LORA_MAX_BATCH; default 4)")
     cc.set_defaults(func=cmd_compile_cache)
+
+    aot = sub.add_parser("aot-package", help="AOTInductor package of the denoiser with swappable LoRA tensors")
+    aot.add_argument("--preset", default="tiny")
+    aot.add_argument("--slots", type=int, default=1, help="as the engine that loads it will run (default 1)")
+    aot.add_argument("--out", type=Path, required=True, help="the .pt2 file to write")
+    aot.set_defaults(func=cmd_aot_package)
 
     ben = sub.add_parser("bench", help="time every way of switching LoRAs side by side (JSON + plot)")
     ben.add_argument("--scale", choices=("tiny", "sdxl"), default="tiny")

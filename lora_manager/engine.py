@@ -16,32 +16,33 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from . import compile_cache
-from .adapter_file import AdapterWeights, read_adapter
-from .catalog import load_preset, resolve_base_model
+from .adapters.catalog import load_preset, resolve_base_model
+from .adapters.inspection import ATTENTION
+from .adapters.reader import AdapterWeights, read_adapter
+from .adapters.sources import resolve
+from .adapters.store import AdapterStore
+from .adapters.validate import check_adapter
 from .errors import LoraManagerError, UnknownAdapterError
-from .scheduler import Request, Scheduler
+from .hotswap import compile_cache
+from .hotswap.aot import AotDenoiser, load_denoiser
+from .hotswap.batched import BatchRows
+from .hotswap.plan import assign_slots, plan_resident
+from .hotswap.slot import DevicePrefetch, LiveSlot
+from .hotswap.template import compile_denoiser, prepare_template
 from .request_schema import Mix, check_request, shorten
-from .batched_lora import BatchRows
-from .slots import assign_slots, plan_resident
-from .sources import resolve
-from .store import AdapterStore
+from .scheduler import Request, Scheduler
 from .specs import AdapterInfo, AdapterSpec, Catalog, Result
-from .swap import DevicePrefetch, LiveSlot, compile_denoiser, prepare_template
-from .validate import check_adapter
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 4 * 2**30  # ~20 SDXL rank-64 LoRAs; the live adapter is always kept
-DEFAULT_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # template when the catalog is empty
 
 
 @dataclass(frozen=True)
 class _Registered:
-    """A registered adapter: where it lives on disk and what its file says (kept even when evicted from RAM)."""
+    """A registered adapter: its catalog entry and what its file says (kept even when evicted from RAM)."""
 
     spec: AdapterSpec
-    path: Path
     keys: frozenset[tuple[str, str]]
     rank: int
     alpha: float
@@ -56,7 +57,9 @@ class LoraManager:
     `slots=K` lets one request combine up to K adapters, each at its own strength (K templates, swapped one by one).
     `max_batch=B` > 1 runs up to B queued requests in one pipeline call whatever their adapters: `device_slots`
     adapters (default max(K, B)) stay resident on the device and each row of the batch picks its own
-    (`batched_lora`). With `compile`, batches are padded to fixed sizes (1, 2, 4, ..., B), each compiled at start.
+    (`hotswap/batched.py`). With `compile`, batches are padded to fixed sizes (1, 2, 4, ..., B), each compiled at start.
+    `aot_package` (a `.pt2` from `python -m lora_manager aot-package`) runs the denoiser from an AOTInductor package
+    bound to the template's own tensors instead: no compile at start, swaps as usual (`hotswap/aot.py`).
     """
 
     def __init__(
@@ -72,14 +75,21 @@ class LoraManager:
         max_batch: int = 1,
         slots: int = 1,
         device_slots: int | None = None,
+        aot_package: str | Path | None = None,
     ):
         if slots < 1 or max_batch < 1:
             raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
         mixed = max_batch > 1
+        if aot_package is not None and (compile or mixed):
+            raise ValueError("aot_package replaces torch.compile and serves one request per pipeline call: pass "
+                             "compile=False and max_batch=1.")
         resident = device_slots or (max(slots, max_batch) if mixed else slots)
         if resident < slots or (not mixed and resident != slots):
             raise ValueError(f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
                              f"with max_batch > 1.")
+        t0 = time.perf_counter()
+        # seconds per start-up phase, in order (from_preset adds the pipeline load, the app its imports)
+        self.startup_s: dict[str, float] = {}
         self.pipe = pipe
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
         self._root = Path(catalog_root) if catalog_root else None
@@ -120,6 +130,7 @@ class LoraManager:
             except LoraManagerError as e:
                 self.errors[spec.id] = str(e)
                 log.warning("catalog adapter refused: %s", e)
+        self.startup_s["adapter_reads"] = time.perf_counter() - t0
         self.target_rank = target_rank or self.catalog.target_rank or max((w.rank for _, w in staged.values()), default=8)
         for adapter_id, (reg, weights) in list(staged.items()):
             if weights.rank > self.target_rank:
@@ -132,8 +143,7 @@ class LoraManager:
         self.device_slots, self._gathered = prepare_template(
             pipe, self.components, keys, self.target_rank, resident, self._rows
         )
-        # len(slots) is how many adapters one request may combine (the app and Ray Serve read it)
-        self.slots: list[LiveSlot] = self.device_slots[:slots]
+        self.slots: list[LiveSlot] = self.device_slots[:slots]  # a request combines up to len(slots) adapters
         for adapter_id, (reg, weights) in staged.items():
             self._registered[adapter_id] = reg
             self.store.put(adapter_id, weights)
@@ -144,8 +154,15 @@ class LoraManager:
         self.compiled = compile
         self.compile_source = "eager"
         self._cache_counts = (0, 0)  # inductor FX graph cache (hits, misses) while this engine compiled
+        self.startup_s["template"] = time.perf_counter() - t0 - sum(self.startup_s.values())
+        self.aot: AotDenoiser | None = None
         if compile:
             self.compile_source = self._compile(compile_kwargs or {})
+            self.startup_s["compile_and_warm_up"] = time.perf_counter() - t0 - sum(self.startup_s.values())
+        elif aot_package is not None:  # the denoiser runs an AOTInductor package bound to the template's tensors
+            self.aot = load_denoiser(pipe, aot_package)
+            self.compiled, self.compile_source = True, f"AOTInductor package ({Path(aot_package).name})"
+            self.startup_s["aot_load"] = time.perf_counter() - t0 - sum(self.startup_s.values())
         _OPEN.add(self)
 
     def close(self) -> None:
@@ -170,13 +187,17 @@ class LoraManager:
         """Load a preset (or a catalog .json path): its base pipeline and adapters. Compile defaults to on for CUDA."""
         from diffusers import DiffusionPipeline
 
+        t0 = time.perf_counter()
         catalog, root = load_preset(name)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = getattr(torch, catalog.torch_dtype) if catalog.torch_dtype and device == "cuda" else torch.float32
         pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
         compile = device == "cuda" if compile is None else compile
-        return cls(pipe, catalog, compile=compile, catalog_root=root, **kwargs)
+        loaded = time.perf_counter() - t0
+        manager = cls(pipe, catalog, compile=compile, catalog_root=root, **kwargs)
+        manager.startup_s = {"pipeline_load": loaded, **manager.startup_s}
+        return manager
 
     # ---- adapters -------------------------------------------------------------------------------------------------
 
@@ -212,10 +233,6 @@ class LoraManager:
 
     def spec(self, adapter_id: str) -> AdapterSpec:
         return self._require(adapter_id).spec
-
-    def adapter_path(self, adapter_id: str) -> Path:
-        """The adapter's safetensors file on disk (for baselines that load it with plain diffusers)."""
-        return self._require(adapter_id).path
 
     def asset_path(self, relative: str | None) -> Path | None:
         """A catalog file (e.g. a preview image) resolved against the catalog's folder; None if absent."""
@@ -465,7 +482,6 @@ class LoraManager:
         check_adapter(spec.id, weights, self.components, template, target_rank)
         reg = _Registered(
             spec=spec,
-            path=path,
             keys=frozenset(weights.modules),
             rank=weights.rank,
             alpha=weights.alpha,
@@ -506,8 +522,14 @@ class LoraManager:
         )
 
     def _default_keys(self) -> set[tuple[str, str]]:
+        """The template when the catalog is empty: the denoiser's attention projections."""
         model = self.components[self.denoiser_name]
-        return {(self.denoiser_name, n) for n, _ in model.named_modules() if n.endswith(DEFAULT_ATTENTION)}
+        return {(self.denoiser_name, n) for n, _ in model.named_modules() if n.endswith(ATTENTION)}
+
+    @property
+    def max_adapters(self) -> int:
+        """How many adapters one request may combine: the hotswap slots."""
+        return len(self.slots)
 
     @property
     def catalog_root(self) -> Path | None:

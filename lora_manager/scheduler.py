@@ -4,7 +4,7 @@ A request never sees another request's adapter: the worker swaps only between ge
 prefers those whose adapters are live (no swap), but after `max_consecutive` such runs in a row, or once the oldest
 request has waited `max_wait_s`, it serves the oldest request instead, so no adapter starves.
 
-With `max_batch` > 1 a batch mixes adapters (each row runs its own, see `batched_lora`): after the head request it
+With `max_batch` > 1 a batch mixes adapters (each row runs its own, see `hotswap/batched.py`): after the head request it
 takes, in arrival order, every queued request with the same generation parameters while the batch's adapters fit in
 the `capacity` device slots.
 """

@@ -80,7 +80,8 @@ offline, a few minutes):
 ## Setup
 
 Everything runs offline: the base model and six style LoRAs ship with the repository in
-`lora_manager/presets/tiny`. It is a real Stable-Diffusion-architecture pipeline (UNet, CLIP text encoder, VAE),
+`lora_manager/presets/tiny`. Run it from a checkout where the package is installed (`pip install -e .` in the
+repository; the test command's `tests/requirements.txt` does it). It is a real Stable-Diffusion-architecture pipeline (UNet, CLIP text encoder, VAE),
 small and trained on coloured shapes, so one 64×64 image takes about a second on a CPU.
 """),
     code(r"""
@@ -89,8 +90,7 @@ T_START = time.perf_counter()
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "lora_manager").is_dir())
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "lora_manager").is_dir())  # the checkout
 os.environ.setdefault("HF_HUB_OFFLINE", "1")         # everything below is local
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
@@ -104,7 +104,7 @@ from diffusers.utils import logging as diffusers_logging
 from torch._dynamo.utils import counters
 
 from lora_manager import LoraManager, LoraManagerError
-from lora_manager.loadtest import levels   # largest per-pixel difference of two images, in 8-bit levels
+from lora_manager.testing import levels   # largest per-pixel difference of two images, in 8-bit levels
 from transformers.utils import logging as transformers_logging
 
 diffusers_logging.set_verbosity(logging.CRITICAL)  # a failed hotswap logs every key of the model; we print the errors ourselves
@@ -234,15 +234,15 @@ kohya-format one (`checker`) swap like the others.
 
 The question lists three ways to serve one LoRA per request. We measure each on the denoiser alone (the part
 that changes), each on a fresh UNet, with the same LoRAs (`stripes`, `outline`, `dots`: ranks 5, 16, 12; 106
-modules each; the resident option cycles through five files to reach 10). The measuring functions live in `lora_manager/strategies.py` and call exactly what
+modules each; the resident option cycles through five files to reach 10). The measuring functions live in `lora_manager/bench/strategies.py` and call exactly what
 `pipe.load_lora_weights` calls for the UNet. One denoising step is one UNet call on a batch of 2
 (classifier-free guidance); a request here is 10 steps.
 
 On a shared CPU, timings are noisy; we report the **fastest of several runs** (the least disturbed one).
 """),
     code(r"""
-from lora_manager import strategies as S
-from lora_manager.adapter_file import read_adapter
+from lora_manager.bench import strategies as S
+from lora_manager.adapters.reader import read_adapter
 
 LOADER = StableDiffusionPipeline          # its lora_state_dict / load_lora_into_unet = load_lora_weights for the UNet
 CPU = torch.device("cpu")
@@ -321,7 +321,7 @@ hot = S.measure_hotswap(u_hot, SAME, LOADER, repeats=6)
 
 UNION = {module for comp, module in m.slots[0].keys if comp == "unet"}   # the manager's template modules in the UNet
 u_eng = fresh_unet()
-slot = S.prepare_engine(u_eng, UNION, rank=32)
+slot = S.prepare_engine(u_eng, UNION, rank=32)[0]
 eng = S.measure_engine_swap(slot, [a.weights for a in SAME], repeats=12)
 floor = S.measure_floors(slot, [a.weights for a in SAME], repeats=12)
 UNETS.update({"diffusers hotswap": u_hot, "LoraManager": u_eng})
@@ -415,7 +415,7 @@ RANKS = (8, 32, 128, 512)
 padded = {}
 for R in RANKS:
     padded[R] = fresh_unet()
-    S.prepare_engine(padded[R], UNION, rank=R).load(SAME[0].weights, 1.0)     # stripes, rank 5
+    S.prepare_engine(padded[R], UNION, rank=R)[0].load(SAME[0].weights, 1.0)     # stripes, rank 5
 fwd = forward_ms({"no LoRA": base_unet, **padded}, rounds=12)
 print(f"no LoRA          : UNet forward {fwd['no LoRA']:6.1f} ms")
 for R in RANKS:
@@ -524,7 +524,7 @@ def fresh_hotswap(first):
 factory_pipe = StableDiffusionPipeline.from_pretrained(PRESET / "model", dtype=torch.float32)
 scratch = tempfile.TemporaryDirectory()    # LoRA files written for the demos; removed when the kernel exits
 workdir = Path(scratch.name)
-from lora_factory import write_adapter     # tests/lora_factory.py: real LoRA files with chosen rank and targets
+from lora_manager.testing import same_slots, snapshot, write_adapter  # LoRA files with chosen rank and targets; slot copies
 """),
     md(r"""
 ### 6.1 A failed hotswap deletes the live adapter
@@ -556,14 +556,12 @@ in. Here a LoRA on `time_emb_proj`, a layer no catalog LoRA targets:
     code(r"""
 odd = write_adapter(factory_pipe, workdir / "time_emb.safetensors", rank=8, alpha=8, suffixes=("time_emb_proj",))
 live_before = m.generate(prompt_for("frame"), adapter="frame").image
-snapshot = m.slots[0].snapshot()
+before = snapshot(m.slots)
 try:
     m.register("time_emb", str(odd))
 except LoraManagerError as e:
     print(short(e)[:240], "...")
-now = m.slots[0].snapshot()
-same_tensors = all(torch.equal(a0, a1) and torch.equal(b0, b1) and s0 == s1
-                   for (a0, b0, s0), (a1, b1, s1) in ((snapshot[k], now[k]) for k in snapshot))
+same_tensors = same_slots(before, snapshot(m.slots))
 same_image = np.array_equal(np.asarray(live_before), np.asarray(m.generate(prompt_for("frame"), adapter="frame").image))
 print(f"live tensors unchanged: {same_tensors} | live output bit-identical: {same_image}")
 assert same_tensors and same_image

@@ -14,9 +14,10 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from diffusers import StableDiffusionPipeline  # noqa: E402
-from lora_factory import ATTN_FF_CONV, write_adapter  # noqa: E402
 
 from lora_manager import AdapterSpec, Catalog, LoraManager  # noqa: E402
+from lora_manager.adapters.inspection import BLOCKS  # noqa: E402
+from lora_manager.testing import same_slots, snapshot, write_adapter  # noqa: E402
 
 TINY_MODEL = ROOT / "lora_manager" / "presets" / "tiny" / "model"
 GEN = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 4.0}
@@ -25,7 +26,7 @@ PROMPT = "a red circle on a blue background"
 # and not a multiple of the rank, attention-only and attention+ff+conv targets, kohya keys, text-encoder parts.
 ADAPTERS = {
     "r4_attn": dict(rank=4, alpha=4, seed=1),
-    "r7_conv": dict(rank=7, alpha=11, suffixes=ATTN_FF_CONV, seed=2),
+    "r7_conv": dict(rank=7, alpha=11, suffixes=BLOCKS, seed=2),
     "r16_half": dict(rank=16, alpha=8, seed=3),
     "r8_kohya": dict(rank=8, alpha=16, kohya=True, seed=4),
     "r6_te": dict(rank=6, alpha=3, te_rank=6, te_alpha=12, seed=5),
@@ -117,11 +118,9 @@ def break_while_evicted(m: LoraManager, adapter_dir: Path, victim: Path, monkeyp
 
 
 def snapshot_slots(manager: LoraManager) -> list[dict]:
-    return [slot.snapshot() for slot in manager.slots]
+    return snapshot(manager.slots)
 
 
 def assert_same_slots(before: list[dict], after: list[dict]) -> None:
     """Every slot's A, B and scaling bit-identical."""
-    for b, a in zip(before, after, strict=True):
-        assert b.keys() == a.keys()
-        assert all(torch.equal(b[k][0], a[k][0]) and torch.equal(b[k][1], a[k][1]) and b[k][2] == a[k][2] for k in b)
+    assert same_slots(before, after)

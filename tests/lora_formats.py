@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lora_manager.validate import lora_shapes
+from lora_manager.adapters.inspection import ATTENTION
+from lora_manager.adapters.validate import lora_shapes
 
 Peft = dict[str, torch.Tensor]  # "<module>.lora_A.weight" / "<module>.lora_B.weight", one model's modules
 Select = Callable[[str], bool]
 
-SD_ATTN = ("to_q", "to_k", "to_v", "to_out.0")
+SD_ATTN = ATTENTION
 LOCON = SD_ATTN + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2", "conv_shortcut",
                    "time_emb_proj", "downsamplers.0.conv", "upsamplers.0.conv")
 TE_LAYERS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")

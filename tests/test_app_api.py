@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lora_manager.loadtest import levels
+from lora_manager.testing import free_port, levels
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = os.environ.get("APP_TEST_PRESET", "tiny")
@@ -36,16 +35,10 @@ def adapter_ids() -> list[str]:
     return [a["id"] for a in json.loads(CATALOG.read_text())["adapters"]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
     """Start `python app.py` offline on 127.0.0.1, yield its URL once it prints 'ready in', then stop it."""
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "GRADIO_ANALYTICS_ENABLED": "False",
@@ -113,6 +106,7 @@ def test_generate_per_adapter(client):
         assert info["seed"] == seed % 2 and info["num_inference_steps"] == 6 and info["prompt"] == PROMPT
         assert info["swap_ms"] >= 0 and info["generate_ms"] > 0
         assert info["recompiles"] == 0
+        assert list(info["startup_s"]) == ["imports", "pipeline_load", "adapter_reads", "template", "ui_launch"]
         assert adapter == "" or adapter in info["cpu_cache"]["adapters"]
     assert len(set(digests.values())) == len(ids), f"images not pairwise different: {digests}"
 

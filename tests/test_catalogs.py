@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lora_manager.catalog import load_preset, preset_names
-from lora_manager.sources import check_repo_id, is_local_source
+from lora_manager.adapters.catalog import load_preset, preset_names
+from lora_manager.adapters.sources import check_repo_id, is_local_source
 from lora_manager.specs import Catalog
 
 

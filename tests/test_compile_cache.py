@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import PROMPT, ROOT
 
-from lora_manager import compile_cache
+from lora_manager.hotswap import compile_cache
 
 TINY = ROOT / "lora_manager" / "presets" / "tiny"
 SERVE = """

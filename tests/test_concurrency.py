@@ -9,7 +9,8 @@ import pytest
 from conftest import ADAPTERS, PROMPT, load_tiny, make_catalog
 
 from lora_manager import LoraManager, QueueFullError
-from lora_manager.loadtest import PROMPTS, Job, levels, make_jobs, run_engine, run_naive, solo_references
+from lora_manager.bench.load import PROMPTS, Job, make_jobs, run_engine, run_naive, solo_references
+from lora_manager.testing import levels
 from lora_manager.scheduler import Request, Scheduler
 
 ADAPTER_IDS = [None, *ADAPTERS]

@@ -8,6 +8,7 @@ import torch
 from conftest import ADAPTERS, PROMPT, as_float, load_tiny, make_catalog, reference
 
 from lora_manager import LoraManager, RequestError, UnknownAdapterError
+from lora_manager.testing import levels
 
 # Each step is (adapter, strength); the sequence revisits adapters after others of other ranks and targets.
 SEQUENCE = [
@@ -28,8 +29,8 @@ SEQUENCE = [
 def assert_same_image(got: np.ndarray, want: np.ndarray) -> None:
     """The issue's bar: within 1e-4 on the float output, or at most 1 level of 255 once converted to 8 bits."""
     err = float(np.abs(got - want).max())
-    levels = int(np.abs((got * 255).round().astype(int) - (want * 255).round().astype(int)).max())
-    assert err <= 1e-4 or levels <= 1, f"max abs diff {err:.2e}, {levels} levels of 255"
+    diff = levels(got, want)
+    assert err <= 1e-4 or diff <= 1, f"max abs diff {err:.2e}, {diff} levels of 255"
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +126,12 @@ def test_a_prompt_longer_than_the_tokenizer_reads_is_flagged(manager):
     long = " ".join(["a red circle on a blue background"] * 4)
     assert manager.generate(long, steps=1).info["prompt_truncated"] is True
     assert manager.generate(PROMPT, steps=1).info["prompt_truncated"] is False
+
+
+def test_the_engine_provides_the_interface_the_app_is_written_against(manager):
+    from lora_manager.serving.protocol import Engine
+
+    assert isinstance(manager, Engine)
+    assert manager.max_adapters == len(manager.slots)
+    assert list(manager.startup_s) == ["adapter_reads", "template"]  # eager, built from a pipeline
+    assert all(s >= 0 for s in manager.startup_s.values())

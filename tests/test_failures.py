@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import as_float, assert_same_slots, one, snapshot_slots
-from lora_factory import ATTN, rewrite, write_adapter
+from lora_manager.adapters.inspection import ATTENTION as ATTN
+from lora_manager.testing import rewrite, write_adapter
 
 from lora_manager import (
     AdapterFormatError,

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import GEN, PROMPT, ROOT, TINY_MODEL, load_tiny
 from diffusers import DiffusionPipeline
-from lora_factory import rewrite
+from lora_manager.testing import rewrite
 from lora_formats import (
     FLUX_SINGLE,
     FLUX_SINGLE_LINEAR1,
@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from test_engine import assert_same_image
 
 from lora_manager import AdapterFormatError, LoraManager
-from lora_manager.adapter_file import read_adapter
+from lora_manager.adapters.reader import read_adapter
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def test_scheduler_memory_and_stats_stay_flat_over_10000_requests():
 
 def test_serve_sizes_replicas_to_the_machine_or_refuses_with_the_flag():
     pytest.importorskip("ray")
-    from lora_manager.serve import size_replicas
+    from lora_manager.serving.ray_app import size_replicas
 
     assert size_replicas(2, cpus=2, gpus=0, cpus_per_replica=None) == (1.0, 0.0)
     assert size_replicas(4, cpus=2, gpus=0, cpus_per_replica=None) == (0.5, 0.0)

@@ -14,7 +14,9 @@ import httpx
 import pytest
 from conftest import PROMPT, ROOT
 from servers import running_serve
-from test_app_api import _free_port, running_app
+from test_app_api import running_app
+
+from lora_manager.testing import free_port
 
 from lora_manager.request_schema import MAX_BODY_BYTES, MAX_PROMPT_CHARS
 
@@ -207,7 +209,7 @@ def _app_pid(url: str) -> int:
 def server(tmp_path_factory):
     """`python -m lora_manager serve` with one replica and two slots on a free port."""
     pytest.importorskip("ray")
-    port = _free_port()
+    port = free_port()
     args = ["--replicas", "1", "--slots", "2", "--port", str(port)]
     with running_serve(args, port, tmp_path_factory.mktemp("serve") / "serve.log") as url:
         yield url

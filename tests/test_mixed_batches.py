@@ -15,7 +15,8 @@ from conftest import PROMPT, assert_same_slots, break_while_evicted, load_tiny, 
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError
 from lora_manager.scheduler import Request, Scheduler
-from lora_manager.slots import plan_resident
+from lora_manager.hotswap.plan import plan_resident
+from lora_manager.testing import levels, snapshot
 
 PROMPTS = (PROMPT, "a green square on a yellow background", "a blue diamond on a white background")
 # Two batches of four that between them cover ranks 4..16, alphas above/below/not a multiple of the rank,
@@ -25,12 +26,6 @@ BATCHES = [
     [[("r6_te", 1.0)], [("r4_kohya_te", 0.6)], [("r16_half", 0.7), ("r6_te", 1.0)],
      [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)]],
 ]
-
-
-def levels(a: np.ndarray, b: np.ndarray) -> int:
-    """Largest per-pixel difference of two float images once rounded to 8 bits, in levels of 255."""
-    to8 = lambda x: (np.asarray(x) * 255).round().astype(int)  # noqa: E731
-    return int(np.abs(to8(a) - to8(b)).max())
 
 
 def run_together(m: LoraManager, requests: list[tuple], **params) -> list:
@@ -72,7 +67,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_d
     expected = [r.image for r in run_together(m, good)]
     break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", monkeypatch, ("r4_attn", "r7_conv"))
 
-    snapshot, swaps = [s.snapshot() for s in m.device_slots], m.stats()["swaps"]
+    before, swaps = snapshot(m.device_slots), m.stats()["swaps"]
     gate = threading.Event()
     blocker = m.submit(PROMPT, callback_on_step_end=lambda *a: (gate.wait(), a[3])[1])
     futures = [m.submit(p, adapter=mix, seed=s, output_type="np") for mix, s, p in good[:2]]
@@ -85,7 +80,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_d
     results = [f.result() for f in futures]
     assert [r.info["batch_size"] for r in results] == [3] * 3
     assert all(levels(r.image, e) <= 1 for r, e in zip(results, expected))
-    assert_same_slots(snapshot, [s.snapshot() for s in m.device_slots])
+    assert_same_slots(before, snapshot(m.device_slots))
     assert m.stats()["swaps"] == swaps
 
 
@@ -146,6 +141,7 @@ def test_scheduler_fairness_holds_with_mixed_batches():
     assert [1] in batches[: 1 + 3]  # served within max_consecutive batches of the live adapter's requests
 
 
+@pytest.mark.compile
 def test_compiled_mixed_batches_never_recompile(adapter_dir):
     """Warm-up compiles each batch size once (1, 2, 4); after that no batch composition or size recompiles."""
     # 8 device slots: four requests of two adapters each always fit in one batch

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from lora_manager.routing import preference, rank_by_affinity
+from lora_manager.serving.routing import preference, rank_by_affinity
 
 ray = pytest.importorskip("ray", reason="tests/requirements.txt installs ray[serve]")
 
@@ -35,7 +35,7 @@ def test_affinity_ranks_least_busy_then_live_then_fresh_then_hash_order():
 
 @pytest.fixture(scope="module")
 def deployment():
-    from lora_manager import serve_bench
+    from lora_manager.bench import serve_load as serve_bench
 
     with serve_bench.running("tiny", replicas=2) as (base, ready_s):
         print(f"Ray Serve apps ready in {ready_s:.1f} s")
@@ -44,7 +44,7 @@ def deployment():
 
 @pytest.fixture(scope="module")
 def report(deployment):
-    from lora_manager import serve_bench
+    from lora_manager.bench import serve_load as serve_bench
 
     out = serve_bench.measure(deployment, "tiny", requests=16, clients=2)
     print(json.dumps(out, indent=2))

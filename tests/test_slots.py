@@ -12,7 +12,8 @@ from conftest import (PROMPT, assert_same_slots, break_while_evicted, load_tiny,
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError, UnknownAdapterError
 from lora_manager.request_schema import normalize_mix
-from lora_manager.slots import assign_slots
+from lora_manager.hotswap.plan import assign_slots
+from lora_manager.testing import levels
 
 # Pairs with different ranks, alphas and target sets: attention-only with attention+ff+conv (ranks 4/7, alphas 4/11),
 # a half-alpha rank 16 with a text-encoder adapter, and two kohya files (one with a text-encoder part).
@@ -22,12 +23,6 @@ PAIRS = [
     [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)],
 ]
 TRIPLE = [("r7_conv", 0.5), ("r6_te", 1.2), ("r8_kohya", 0.8)]
-
-
-def levels(a: np.ndarray, b: np.ndarray) -> int:
-    """Largest per-pixel difference of two float images once rounded to 8 bits, in levels of 255."""
-    to8 = lambda x: (np.asarray(x) * 255).round().astype(int)  # noqa: E731
-    return int(np.abs(to8(a) - to8(b)).max())
 
 
 def image(manager: LoraManager, mix, seed: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""lora_manager.sources against the real huggingface_hub client, pointed at a local Hub emulator (tests/hub_server.py).
+"""lora_manager.adapters.sources against the real huggingface_hub client, pointed at a local Hub emulator (tests/hub_server.py).
 
 huggingface_hub reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE and the timeouts into `huggingface_hub.constants` at
 import time, and the test process imported it long ago (conftest imports diffusers). `hub_env` therefore sets the
@@ -26,7 +26,7 @@ from hub_server import HubServer, Repo, commit_of
 from safetensors.torch import load_file, save_file
 
 from lora_manager.errors import AdapterSourceError
-from lora_manager.sources import resolve
+from lora_manager.adapters.sources import resolve
 
 TOKEN = "hf_localtestTOKENdoNotLeak0123456789"
 HF_ENV = (

@@ -30,12 +30,10 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+from ..adapters.inspection import ATTENTION, BLOCKS, TEXT_ATTENTION
 from . import grid, shapes
 from .kohya import to_kohya
 
-ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
-FULL = ATTN + ["ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2"]
-TE_ATTN = ["q_proj", "k_proj", "v_proj", "out_proj"]
 MAX_TOKENS = 12  # "a red circle on a blue background, striped" + BOS/EOS
 
 
@@ -53,18 +51,18 @@ class AdapterSpec:
     text_encoder: bool = False  # also train a LoRA on the CLIP attention
 
     def describe(self) -> str:
-        what = "attention only" if list(self.targets) == ATTN else "attention+ff+proj+conv"
+        what = "attention only" if tuple(self.targets) == ATTENTION else "attention+ff+proj+conv"
         extra = (", + text encoder q/k/v/out" if self.text_encoder else "") + (", kohya/A1111 keys" if self.kohya else "")
         return f"rank {self.rank}, alpha {self.alpha:g}, {what}{extra}"
 
 
 ZOO = (
-    AdapterSpec("stripes", "Stripes", "striped", 5, 5, tuple(FULL)),  # odd rank, alpha = rank
-    AdapterSpec("outline", "Outline", "outline", 16, 8, tuple(FULL)),  # alpha = rank/2
-    AdapterSpec("dots", "Dots", "dotted", 12, 16, tuple(FULL)),  # alpha not a multiple of rank
-    AdapterSpec("pixel", "Pixel", "pixel", 8, 16, tuple(FULL), text_encoder=True),  # alpha = 2*rank
-    AdapterSpec("checker", "Checker", "checker", 4, 8, tuple(ATTN), kohya=True),  # smallest rank
-    AdapterSpec("frame", "Frame", "framed", 32, 32, tuple(ATTN)),  # largest rank
+    AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
+    AdapterSpec("outline", "Outline", "outline", 16, 8, BLOCKS),  # alpha = rank/2
+    AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank
+    AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True),  # alpha = 2*rank
+    AdapterSpec("checker", "Checker", "checker", 4, 8, ATTENTION, kohya=True),  # smallest rank
+    AdapterSpec("frame", "Frame", "framed", 32, 32, ATTENTION),  # largest rank
 )
 
 
@@ -248,7 +246,7 @@ def train_lora(folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Rand
     lat, ids = encode(pipe.vae, imgs), tokens(pipe.tokenizer, caps)
     unet.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), init_lora_weights="gaussian"))
     if spec.text_encoder:
-        te.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=TE_ATTN, init_lora_weights="gaussian"))
+        te.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(TEXT_ATTENTION), init_lora_weights="gaussian"))
     params = [p for m in (unet, te) for p in m.parameters() if p.requires_grad]
     draw = sampler(lat, ids, max(2, round(budget.batch * LORA_BATCH_RATIO)), gen, None)
     noise_sched = DDPMScheduler.from_config(pipe.scheduler.config)
@@ -266,7 +264,7 @@ def save_adapter(spec: AdapterSpec, unet, te, out: Path) -> None:
     if spec.kohya:
         save_file(to_kohya({f"unet.{k}": v for k, v in unet_sd.items()}, {"unet": spec.alpha}), out / f"{spec.id}.safetensors")
         return
-    te_meta = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": TE_ATTN} if te_sd else None
+    te_meta = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(TEXT_ATTENTION)} if te_sd else None
     StableDiffusionPipeline.save_lora_weights(
         out, unet_lora_layers=unet_sd, text_encoder_lora_layers=te_sd, weight_name=f"{spec.id}.safetensors",
         unet_lora_adapter_metadata=meta, text_encoder_lora_adapter_metadata=te_meta,

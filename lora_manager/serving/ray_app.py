@@ -18,8 +18,6 @@ a retry returns the same image and each request gets exactly one answer).
 
 
 import asyncio  # no `from __future__ import annotations`: FastAPI reads the body type at runtime
-import base64
-import io
 import json
 import logging
 from collections import Counter
@@ -34,8 +32,9 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from .errors import LoraManagerError, QueueFullError, RequestError, UnknownAdapterError
-from .request_schema import FIELDS, MAX_BODY_BYTES, check_request, shorten
+from ..errors import LoraManagerError, QueueFullError, RequestError, UnknownAdapterError
+from ..request_schema import FIELDS, MAX_BODY_BYTES, check_request, shorten
+from .protocol import answer_body, request_body
 from .routing import rank_by_affinity
 
 log = logging.getLogger(__name__)
@@ -43,9 +42,6 @@ log = logging.getLogger(__name__)
 RETRIES = 3  # attempts per request when a replica dies under it
 ROUTINGS = ("affinity", "default")
 api = FastAPI(title="lora-hotswap")
-
-
-DEFAULTS = {"adapter": None, "strength": 1.0, "seed": 0, "steps": None}  # every field but the prompt may be left out
 
 
 def refusal(status: int, message: str, field: str | None = None) -> JSONResponse:
@@ -84,7 +80,7 @@ async def read_body(request: Request) -> dict[str, Any]:
         raise RequestError(f"unknown field {shorten(unknown[0])}; the fields are {list(FIELDS)}.", field=unknown[0][:60])
     if "prompt" not in body:
         raise RequestError("prompt is missing.", field="prompt")
-    return {**DEFAULTS, **body}
+    return {**request_body(body["prompt"]), **body}  # every field but the prompt may be left out
 
 
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
@@ -123,7 +119,7 @@ class LoraReplica:
     def __init__(self, preset: str, compile: bool | None, slots: int, threads: int | None, max_batch: int = 1):
         import torch
 
-        from .engine import LoraManager
+        from ..engine import LoraManager
 
         if threads:
             torch.set_num_threads(threads)
@@ -146,17 +142,13 @@ class LoraReplica:
             )
         except LoraManagerError as e:
             return error_answer(e)
-        buffer = io.BytesIO()
-        result.image.save(buffer, format="PNG")
-        return {
-            "image_png_base64": base64.b64encode(buffer.getvalue()).decode(),
-            "info": {**result.info, "replica": self.name},
-        }
+        return answer_body(result, replica=self.name)
 
     def describe(self) -> dict[str, Any]:
         """What a front end needs to present this replica's engine (`remote.RemoteManager`)."""
         m = self.manager
-        return {"replica": self.name, "target_rank": m.target_rank, "slots": len(m.slots), "compiled": m.compiled,
+        return {"replica": self.name, "target_rank": m.target_rank, "slots": m.max_adapters, "compiled": m.compiled,
+                "startup_s": m.startup_s,
                 "adapters": [a.as_dict() for a in m.adapters()], "errors": m.errors, "stats": m.stats()}
 
 
@@ -230,7 +222,7 @@ def build_app(
 
 
 def app_builder(args: dict[str, Any]):
-    """For Serve config files (KubeRay `serveConfigV2`): `import_path: lora_manager.serve:app_builder`, `args` as
+    """For Serve config files (KubeRay `serveConfigV2`): `import_path: lora_manager.serving.ray_app:app_builder`, `args` as
     `build_app`'s keywords."""
     return build_app(**args)
 

@@ -6,7 +6,7 @@ resident adapters, the engine-vs-hotswap output check and (--compile) recompiles
 swap timing; on CUDA they are filled so a forward can be timed) and random attention LoRAs of rank 64, 48 and 16.
 Nothing is downloaded. See `strategies.py` for what each number is.
 
-Mixed-adapter batches (`batched_lora`): a denoiser forward over MIXED_REQUESTS requests (classifier-free guidance: twice
+Mixed-adapter batches (`hotswap/batched.py`): a denoiser forward over MIXED_REQUESTS requests (classifier-free guidance: twice
 as many rows) without LoRA, with one template slot shared by every row (a same-adapter batch), and with gathered
 per-row LoRA over device slots holding different adapters, at the workload's rank and at rank 64. Where no forward
 can be timed (SDXL on CPU) the same code is timed on single SDXL-width attention projections instead.
@@ -32,14 +32,15 @@ from diffusers import UNet2DConditionModel
 from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
 from torch import nn
 
+from ..adapters.catalog import load_preset, resolve_base_model
+from ..adapters.inspection import ATTENTION
+from ..adapters.reader import AdapterWeights, ModuleLora, read_adapter
+from ..adapters.sources import resolve
+from ..adapters.store import AdapterStore
+from ..hotswap.batched import BatchRows, install
+from ..hotswap.template import SLOT, prepare_template, slot_names
+from ..testing import lora_layers
 from . import strategies as S
-from .adapter_file import AdapterWeights, ModuleLora, read_adapter
-from .catalog import load_preset, resolve_base_model
-from .sources import resolve
-from .store import AdapterStore
-from .batched_lora import BatchRows, install
-from .swap import SLOT, LiveSlot, slot_names, template_state_dict
-from .validate import lora_shapes
 
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json (the keys that differ from diffusers' defaults).
 SDXL_UNET = {
@@ -55,7 +56,6 @@ SDXL_UNET = {
     "addition_time_embed_dim": 256,
     "projection_class_embeddings_input_dim": 2816,
 }
-ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # 560 modules in the SDXL UNet
 # (name, rank, alpha): two rank-64 adapters for the like-for-like swap, smaller ranks for the mixed-rank swap.
 SDXL_ADAPTERS = (("r64a", 64, 64.0), ("r64b", 64, 32.0), ("r16", 16, 8.0), ("r48", 48, 24.0))
 RESIDENT_COUNTS = (1, 2, 5, 10)
@@ -113,7 +113,7 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
     """Each strategy on its own fresh denoiser; the engine's model is kept for the check, forward and compile."""
     primary = [a.weights for a in wl.primary]
     unet = wl.make_unet()
-    slot = S.prepare_engine(unet, {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}, wl.target_rank)
+    slot = S.prepare_engine(unet, {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}, wl.target_rank)[0]
     floors = S.measure_floors(slot, primary, repeats)
     engine = S.measure_engine_swap(slot, primary, repeats)
     engine_mixed = S.measure_engine_swap(slot, [a.weights for a in wl.mixed], repeats)
@@ -200,17 +200,12 @@ def _check(wl: Workload, slot, unet: nn.Module, hot_unet: nn.Module) -> dict:
 
 def prepare_gathered(unet: nn.Module, modules: set[str], rank: int, weights: list[AdapterWeights],
                      requests: int) -> BatchRows:
-    """The engine's mixed-batch preparation on a bare denoiser (as `swap.prepare_template` with rows): one zero
+    """The engine's mixed-batch preparation on a bare denoiser (`prepare_template` with rows): one zero
     template per device slot, re-based onto stacks, each slot filled with one of `weights`; row i picks slot i % D."""
-    unet.enable_lora_hotswap(target_rank=rank)
-    names = slot_names(len(weights))
-    for name in names:
-        sd = template_state_dict({"unet": unet}, {("unet", m) for m in modules}, rank, unet.dtype)
-        unet.load_lora_adapter(sd, prefix="unet", adapter_name=name, low_cpu_mem_usage=False)
     rows = BatchRows([requests], 1, S.device_of(unet))
-    install({"unet": unet}, names, rows)
-    for name, w in zip(names, weights):
-        LiveSlot({"unet": unet}, rank, name).load(w, 1.0)
+    slots, _ = prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, len(weights), rows)
+    for slot, w in zip(slots, weights):
+        slot.load(w, 1.0)
     rows.write([[(i % len(weights), 1.0)] for i in range(requests)])
     return rows
 
@@ -225,7 +220,7 @@ def measure_mixed(wl: Workload, repeats: int) -> dict:
     del base
     for rank in (wl.target_rank, *MIXED_RANKS):
         one = wl.make_unet()
-        S.prepare_slots(one, modules, rank, 1)[0].load(wl.slot_weights[0], 1.0)
+        S.prepare_engine(one, modules, rank)[0].load(wl.slot_weights[0], 1.0)
         same = S.timed(lambda _: S.forward(one, inputs), repeats, S.device_of(one)).median_ms
         del one
         gathered = wl.make_unet()
@@ -352,14 +347,14 @@ def _sdxl_unet(device: torch.device, dtype: torch.dtype, filled: bool = False) -
 
 def _random_adapter(shapes: nn.Module, loader: type, folder: Path, name: str, rank: int, alpha: float, seed: int,
                     dtype: torch.dtype, device: torch.device) -> S.BenchAdapter:
-    g = torch.Generator().manual_seed(seed)
+    """A random attention LoRA over `shapes`' modules, saved as diffusers would and held as the engine holds it."""
+    sd = lora_layers(shapes, ATTENTION, rank, seed, scale=0.01 * rank**0.5)  # B ~ N(0, 0.01^2)
     modules = {}
-    for module, layer in shapes.named_modules():
-        if module.endswith(ATTENTION) and isinstance(layer, nn.Linear):
-            a_shape, b_shape = lora_shapes(layer, rank)
-            A = (torch.randn(a_shape, generator=g) / a_shape[1] ** 0.5).to(dtype)
-            B = (torch.randn(b_shape, generator=g) * 0.01).to(dtype)
-            modules[("unet", module)] = ModuleLora(A=A, B=B, alpha=alpha, scale=alpha / rank)
+    for key, A in sd.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[: -len(".lora_A.weight")]
+            B = sd[f"{module}.lora_B.weight"]
+            modules[("unet", module)] = ModuleLora(A=A.to(dtype), B=B.to(dtype), alpha=alpha, scale=alpha / rank)
     adapter = S.BenchAdapter(name, folder / f"{name}.safetensors", AdapterWeights(modules, format="peft"))
     loader.save_lora_weights(
         str(folder),

@@ -1,29 +1,27 @@
 """The app's engine when generation runs on Ray Serve (`python app.py --backend ray --ray-url URL`).
 
-`RemoteManager` offers the part of `LoraManager`'s interface that `app.py` uses. The catalog (names, triggers,
+`RemoteManager` is an `Engine` (`protocol.py`), the interface `app.py` is written against. The catalog (names, triggers,
 previews) comes from the same preset on local disk; adapters, slots and stats from the deployment's `GET /info`;
 images from `POST /generate`. Adding a LoRA from the UI needs the engine in-process and is refused here.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 from typing import Any
 
 import httpx
-from PIL import Image
 
-from .catalog import load_preset, resolve_base_model
-from .errors import LoraManagerError, RequestError
-from .specs import AdapterInfo, AdapterSpec, Result
+from ..adapters.catalog import load_preset, resolve_base_model
+from ..errors import LoraManagerError, RequestError
+from ..specs import AdapterInfo, AdapterSpec, Result
+from .protocol import answer_image, request_body
 
 TIMEOUT_S = 600
 
 
 class RemoteManager:
-    """A `LoraManager` look-alike that forwards generation to a Ray Serve deployment of `lora_manager.serve`."""
+    """A `LoraManager` look-alike that forwards generation to a Ray Serve deployment of `lora_manager.serving.ray_app`."""
 
     def __init__(self, url: str, preset: str = "tiny"):
         self.url = url.rstrip("/")
@@ -34,10 +32,11 @@ class RemoteManager:
         self.generation_defaults = dict(self.catalog.generation)
         info = self._get("/info")
         self.target_rank: int = info["target_rank"]
-        self.slots = [None] * info["slots"]  # only its length is used: how many adapters a request may combine
+        self.max_adapters: int = info["slots"]
         self.compiled: bool = info["compiled"]
         self.compile_source: str = info["stats"].get("compile_source", "unknown")
         self.errors: dict[str, str] = info["errors"]
+        self.startup_s: dict[str, float] = info["startup_s"]
 
     def adapters(self) -> list[AdapterInfo]:
         specs = {a.id: a for a in self.catalog.adapters}
@@ -65,10 +64,8 @@ class RemoteManager:
     def generate(self, prompt: str, adapter=None, strength: float = 1.0, seed: int = 0, steps: int | None = None,
                  **_) -> Result:
         """POST /generate. Per-step callbacks do not cross the network: progress shows start and end only."""
-        body = {"prompt": prompt, "adapter": adapter, "strength": strength, "seed": seed, "steps": steps}
-        answer = self._call("POST", "/generate", json=body)
-        image = Image.open(io.BytesIO(base64.b64decode(answer["image_png_base64"]))).convert("RGB")
-        return Result(image=image, info=answer["info"])
+        answer = self._call("POST", "/generate", json=request_body(prompt, adapter, strength, seed, steps))
+        return Result(image=answer_image(answer), info=answer["info"])
 
     def _get(self, path: str) -> dict[str, Any]:
         return self._call("GET", path)

@@ -28,7 +28,7 @@ from peft import LoraConfig
 from peft.utils.other import get_pattern_key
 from safetensors import safe_open
 
-from .errors import AdapterFormatError, AdapterIncompatibleError, AdapterSourceError, LoraManagerError
+from ..errors import AdapterFormatError, AdapterIncompatibleError, AdapterSourceError, LoraManagerError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit

@@ -22,8 +22,9 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from torch._dynamo.utils import counters
 
-from .adapter_file import AdapterWeights
-from .swap import LiveSlot, compile_denoiser, slot_names, template_state_dict
+from ..adapters.reader import AdapterWeights
+from ..hotswap.slot import LiveSlot, sync
+from ..hotswap.template import compile_denoiser, prepare_template
 
 NAME = "bench"  # the adapter name the plain-diffusers strategies load under
 Inputs = dict[str, Any]  # keyword arguments of the denoiser call
@@ -112,10 +113,10 @@ def timed(fn: Callable[[int], object], repeats: int, device: torch.device, warmu
         fn(i)
     samples = []
     for i in range(warmup, warmup + repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn(i)
-        _sync(device)
+        sync(device)
         samples.append((time.perf_counter() - t0) * 1e3)
     return Timing(statistics.median(samples), tuple(samples))
 
@@ -132,21 +133,10 @@ def forward(unet: nn.Module, inputs: Inputs) -> torch.Tensor:
 # ---- the engine ---------------------------------------------------------------------------------------------------
 
 
-def prepare_engine(unet: nn.Module, modules: set[str], rank: int) -> LiveSlot:
-    """The engine's preparation on a bare denoiser: enable hotswap, load the zero template over `modules`."""
-    return prepare_slots(unet, modules, rank, 1)[0]
-
-
-def prepare_slots(unet: nn.Module, modules: set[str], rank: int, slots: int) -> list[LiveSlot]:
-    """As `swap.prepare_template` does on a pipeline: one zero template per slot, all of them active."""
-    unet.enable_lora_hotswap(target_rank=rank)
-    names = slot_names(slots)
-    for name in names:
-        sd = template_state_dict({"unet": unet}, {("unet", m) for m in modules}, rank, unet.dtype)
-        unet.load_lora_adapter(sd, prefix="unet", adapter_name=name, low_cpu_mem_usage=False)
-    if slots > 1:
-        unet.set_adapters(names)
-    return [LiveSlot({"unet": unet}, rank, name) for name in names]
+def prepare_engine(unet: nn.Module, modules: set[str], rank: int, slots: int = 1) -> list[LiveSlot]:
+    """The engine's preparation (`prepare_template`) on a bare denoiser: enable hotswap, one zero template over
+    `modules` per slot, all of them active."""
+    return prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, slots)[0]
 
 
 def measure_engine_swap(slot: LiveSlot, weights: list[AdapterWeights], repeats: int) -> Timing:
@@ -276,7 +266,7 @@ def measure_slots(
     for k in counts:
         del unet  # a fresh denoiser per K (templates are never removed in place); one in memory at a time
         unet = make_unet()
-        for slot, w in zip(prepare_slots(unet, modules, rank, k), itertools.cycle(weights)):
+        for slot, w in zip(prepare_engine(unet, modules, rank, k), itertools.cycle(weights)):
             slot.load(w, 1.0)
         fwd.append(timed(lambda _: forward(unet, inputs), repeats, device_of(unet)))
     return Slots(tuple(counts), base, tuple(fwd))
@@ -292,7 +282,7 @@ def measure_compile(
     compile_denoiser(unet)
     t0 = time.perf_counter()
     forward(unet, inputs)
-    _sync(device_of(unet))
+    sync(device_of(unet))
     compile_s = time.perf_counter() - t0
     graphs = counters["stats"]["unique_graphs"]
     for i in range(swaps):
@@ -331,8 +321,3 @@ def _copy_pairs(slot: LiveSlot, weights: AdapterWeights) -> list[tuple[torch.Ten
         live = slot.modules[key]
         pairs += [(live.A[: m.rank], m.A), (live.B[:, : m.rank], m.B)]
     return pairs
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

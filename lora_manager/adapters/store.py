@@ -6,8 +6,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .adapter_file import AdapterWeights
-from .errors import CacheBudgetError
+from ..errors import CacheBudgetError
+from .reader import AdapterWeights
 
 
 @dataclass

@@ -1,14 +1,5 @@
-"""The hotswap order, encoded once, and the in-place swap of adapter weights into the prepared template.
-
-Order (each step needs the one before): `enable_lora_hotswap(target_rank=R)` -> first load (a zero template over the
-union of every catalog adapter's modules, at rank R) -> `torch.compile` of the denoiser -> swaps, which only write
-into the template's tensors (`copy_`/`fill_`), so compiled graphs stay valid and nothing recompiles.
-
-With K slots the first load is K zero templates under the names slot0..slotK-1, all made active once before compile;
-each slot is then swapped on its own, so a request can combine up to K adapters with a strength each. For mixed-adapter
-batches (`rows` given) the slots are device slots instead: resident adapters that each row of a batch picks from
-(`batched_lora`), still written by the same in-place swaps.
-"""
+"""One slot of the hotswap template: the model's own LoRA tensors for it, and the in-place swap of an adapter's
+weights into them (`LiveSlot`); on CUDA, the side-stream copy that stages the next adapters (`DevicePrefetch`)."""
 
 from __future__ import annotations
 
@@ -19,15 +10,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from .adapter_file import AdapterWeights
-from .batched_lora import BatchRows, GatheredLora, install
-from .validate import lora_shapes
-
-SLOT = "slot0"  # the first (with one slot: the only) adapter name the model ever holds; every swap writes into one
-
-
-def slot_names(slots: int) -> list[str]:
-    return [f"slot{i}" for i in range(slots)]
+from ..adapters.reader import AdapterWeights
 
 
 @dataclass(frozen=True)
@@ -37,46 +20,6 @@ class LiveModule:
     A: torch.Tensor
     B: torch.Tensor
     scaling: torch.Tensor  # 0-dim; PEFT multiplies B(A(x)) by it
-
-
-def template_state_dict(
-    components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Zero LoRA weights at `rank` over `keys`, in the PEFT layout `load_lora_weights` accepts."""
-    sd = {}
-    for comp, module in sorted(keys):
-        a_shape, b_shape = lora_shapes(components[comp].get_submodule(module), rank)
-        sd[f"{comp}.{module}.lora_A.weight"] = torch.zeros(a_shape, dtype=dtype)
-        sd[f"{comp}.{module}.lora_B.weight"] = torch.zeros(b_shape, dtype=dtype)
-    return sd
-
-
-def prepare_template(
-    pipe, components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int, slots: int = 1,
-    rows: BatchRows | None = None,
-) -> tuple[list[LiveSlot], dict[tuple[str, str], GatheredLora]]:
-    """Steps 1 and 2 of the order: enable hotswap for the denoiser, then load one zero template per slot. With
-    `rows`, every row of a batch picks its own slots (`batched_lora.install`, whose layers are returned) instead of
-    all slots adding up."""
-    pipe.enable_lora_hotswap(target_rank=rank)
-    dtype = next(iter(components.values())).dtype
-    names = slot_names(slots)
-    for name in names:  # a fresh state dict each time: a load may keep the tensors it is given
-        # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors, and swaps would write into them.
-        pipe.load_lora_weights(
-            template_state_dict(components, keys, rank, dtype), adapter_name=name, low_cpu_mem_usage=False
-        )
-    gathered = install(components, names, rows) if rows is not None else {}
-    if rows is None and slots > 1:
-        # diffusers activates only the last adapter loaded. set_adapters writes float scalings, so it runs before
-        # LiveSlot turns them into the tensors that swaps write in place (a later set_adapters would recompile).
-        pipe.set_adapters(names)
-    return [LiveSlot(components, rank, name) for name in names], gathered
-
-
-def compile_denoiser(denoiser: nn.Module, **compile_kwargs) -> None:
-    """Step 3: compile in place (`nn.Module.compile`), so the module and its parameters stay the same objects."""
-    denoiser.compile(**compile_kwargs)
 
 
 @dataclass(frozen=True)
@@ -97,7 +40,7 @@ class SwapPlan:
 class LiveSlot:
     """One slot's template tensors in the model and which adapter they hold. Only the engine's lock holder calls it."""
 
-    def __init__(self, components: dict[str, nn.Module], rank: int, name: str = SLOT):
+    def __init__(self, components: dict[str, nn.Module], rank: int, name: str):
         self.rank = rank
         self.name = name
         self.modules: dict[tuple[str, str], LiveModule] = {}
@@ -157,7 +100,9 @@ class LiveSlot:
             torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
         self.weights = weights
         self.set_strength(strength)
-        _sync(self.modules)
+        first = next(iter(self.modules.values()), None)
+        if first is not None:
+            sync(first.A.device)
         return (time.perf_counter() - t0) * 1e3
 
     @torch.no_grad()
@@ -168,10 +113,6 @@ class LiveSlot:
             torch._foreach_zero_(plan.scalings)
             torch._foreach_add_(plan.scalings, [s * strength for s in plan.scales])
         self.strength = strength
-
-    def snapshot(self) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]]:
-        """Copies of every live tensor, for tests that prove a refused adapter changed nothing."""
-        return {k: (v.A.clone(), v.B.clone(), float(v.scaling)) for k, v in self.modules.items()}
 
 
 class DevicePrefetch:
@@ -227,8 +168,7 @@ def _tensor_scaling(layer: LoraLayer, name: str) -> torch.Tensor:
     return value
 
 
-def _sync(modules: dict) -> None:
+def sync(device: torch.device) -> None:
     """Wait for non_blocking host-to-device copies, so a swap's time and effect are complete when it returns."""
-    first = next(iter(modules.values()), None)
-    if first is not None and first.A.is_cuda:
-        torch.cuda.synchronize(first.A.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

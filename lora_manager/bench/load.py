@@ -24,9 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 
-from .engine import LoraManager
+from ..adapters.sources import resolve
+from ..engine import LoraManager
+from ..testing import levels
 
 PROMPTS = ("a red circle on a blue background", "a green square on a yellow background", "a blue diamond on a white background")
 
@@ -66,11 +67,6 @@ def cycle_jobs(adapters: list[str | None], n: int, seed: int) -> list[Job]:
     rng = random.Random(seed)
     return [Job(rng.choice(PROMPTS), adapters[i % len(adapters)], rng.choice((0.6, 1.0)), rng.randrange(1000))
             for i in range(n)]
-
-
-def levels(a, b) -> int:
-    """Largest per-pixel difference between two 8-bit images, in levels of 255."""
-    return int(np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max())
 
 
 def solo_references(manager: LoraManager, jobs: list[Job]) -> dict[Job, object]:
@@ -190,7 +186,9 @@ def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | No
 
     manager = LoraManager.from_preset(preset, compile=False, max_batch=max_batch)
     ids = [a.id for a in manager.adapters()]
-    paths = {i: manager.adapter_path(i) for i in ids}
+    # the files the engine read, for the plain-diffusers baselines (resolved as the engine resolves them: cached)
+    paths = {i: resolve(s.source, s.id, s.weight_name, s.revision, True, manager.catalog_root)
+             for i, s in ((i, manager.spec(i)) for i in ids)}
     total = clients * requests
     mixed = cycle_jobs([None, *ids], total, seed)
     single = make_jobs([ids[0]], total, seed + 1, strengths=(1.0,))  # plain diffusers serves it at strength 1

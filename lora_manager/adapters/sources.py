@@ -27,8 +27,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.file_download import repo_folder_name
 
-from .adapter_file import PICKLE_SUFFIXES, check_file_name
-from .errors import AdapterSourceError
+from ..errors import AdapterSourceError
+from .reader import PICKLE_SUFFIXES, check_file_name
 
 # The Hub's own rule: "owner/name", letters, digits, '-', '_', '.', no '--' or '..', no leading/trailing '-' or '.'.
 REPO_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9_](?:[\w.-]{0,94}[\w])?$")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import combinations
 
-from .errors import RequestError
-from .request_schema import Mix
+from ..errors import RequestError
+from ..request_schema import Mix
 
 __all__ = ["Mix", "assign_slots", "plan_resident"]
 

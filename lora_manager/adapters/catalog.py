@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .specs import Catalog
+from ..specs import Catalog
 
-PRESETS_DIR = Path(__file__).parent / "presets"
+PRESETS_DIR = Path(__file__).parents[1] / "presets"
 
 
 def preset_names() -> list[str]:

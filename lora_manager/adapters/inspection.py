@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from .adapter_file import AdapterWeights
+from .reader import AdapterWeights
+
+ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' attention projections (UNet, SD3/Flux transformers)
+TEXT_ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP text encoders' attention projections
+# attention, feed-forward, the transformer blocks' proj_in/proj_out and the ResNet convs: what most style LoRAs target
+BLOCKS = ATTENTION + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2")
 
 
 def module_kind(module: str) -> str:
@@ -13,7 +18,7 @@ def module_kind(module: str) -> str:
     leaf = module.rsplit(".", 2)
     name = ".".join(leaf[-2:]) if leaf[-1].isdigit() else leaf[-1]
     kinds = {
-        "attention": ("to_q", "to_k", "to_v", "to_out.0", "q_proj", "k_proj", "v_proj", "out_proj"),
+        "attention": ATTENTION + TEXT_ATTENTION,
         "feed-forward": ("proj", "net.2", "fc1", "fc2"),
         "proj_in/out": ("proj_in", "proj_out"),
         "conv": ("conv1", "conv2", "conv_shortcut", "conv"),

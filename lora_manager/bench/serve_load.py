@@ -10,11 +10,8 @@ affinity app is killed while a concurrent load runs: every request must still ge
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -25,12 +22,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-from PIL import Image
 
-from .engine import LoraManager
-from .loadtest import Job, levels, make_jobs, solo_references
+from ..engine import LoraManager
+from ..serving.protocol import answer_image, request_body
+from ..testing import free_port, levels
+from .load import Job, make_jobs, solo_references
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
@@ -50,12 +48,6 @@ class LoadReport:
     wall_s: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_first=None) -> LoadReport:
     """POST every job from `clients` threads; `after_first(n)` runs once, when n answers have arrived."""
     answers: list[dict | None] = [None] * len(jobs)
@@ -64,7 +56,7 @@ def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_f
 
     def post(i: int) -> None:
         job = jobs[i]
-        body = {"prompt": job.prompt, "adapter": job.adapter, "strength": job.strength, "seed": job.seed, "steps": None}
+        body = request_body(job.prompt, job.adapter, job.strength, job.seed)
         try:
             r = httpx.post(f"{url}/generate", json=body, timeout=TIMEOUT_S)
             r.raise_for_status()
@@ -82,7 +74,7 @@ def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_f
         list(pool.map(post, range(len(jobs))))
     wall = time.perf_counter() - t0
     ok = [(job, a) for job, a in zip(jobs, answers) if a is not None]
-    images = [Image.open(io.BytesIO(base64.b64decode(a["image_png_base64"]))) for _, a in ok]
+    images = [answer_image(a) for _, a in ok]
     swaps = sum(a["info"]["swap_ms"] > 0 for _, a in ok)
     avoidable = None
     if clients == 1:  # answers arrive in job order: replay which adapter each replica held
@@ -123,7 +115,7 @@ def running(preset: str = "tiny", replicas: int = 2) -> Iterator[tuple[str, floa
     import ray
     from ray import serve
 
-    from .serve import ROUTINGS, build_app
+    from ..serving.ray_app import ROUTINGS, build_app
 
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
@@ -131,7 +123,7 @@ def running(preset: str = "tiny", replicas: int = 2) -> Iterator[tuple[str, floa
     ray.init(num_cpus=2 * replicas + 2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": env})
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
         for routing in ROUTINGS:

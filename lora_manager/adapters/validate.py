@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .adapter_file import AdapterWeights
-from .errors import AdapterIncompatibleError, AdapterValueError, LoraManagerError
+from ..errors import AdapterIncompatibleError, AdapterValueError, LoraManagerError
+from .reader import AdapterWeights
 
 MAX_LISTED = 4  # problems spelled out in one message; the rest are counted
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One-shot benchmark on a CUDA machine, about 3 minutes on an H200 and capped at 8: SDXL-size swap latencies in
 # bf16 (pinned host memory, as the engine uses on CUDA), then the tiny preset compiled (compile time, recompiles
-# over 10 swaps). Writes JSON, PNG and logs to $OUT (default ./out). Usage: OUT=/some/dir bash lora_manager/gpu_bench.sh
+# over 10 swaps). Writes JSON, PNG and logs to $OUT (default ./out). Usage: OUT=/some/dir bash lora_manager/bench/gpu_bench.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"

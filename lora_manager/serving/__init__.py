@@ -1,0 +1,2 @@
+"""Serving the engine to other processes: the engine interface and the /generate wire format (protocol), the Ray
+Serve application (ray_app), its adapter-affinity routing (routing) and a client that looks like the engine (remote)."""
