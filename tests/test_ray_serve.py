@@ -1,6 +1,6 @@
 """Ray Serve scale-out: a local Ray instance, 2 CPU replicas of the tiny preset per app, a mixed load over HTTP.
 
-One run (`serve_bench.run`, also `python -m lora_manager servebench`) serves the same jobs with Ray Serve's default
+One run (`bench.serve_load.run`, also `python -m lora_manager servebench`) serves the same jobs with Ray Serve's default
 multiplexed routing and with `AdapterAffinityRouter`, then kills a replica under a concurrent load.
 """
 

@@ -21,7 +21,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -41,18 +41,40 @@ class Job:
 
 
 @dataclass(frozen=True)
-class RunReport:
+class LoadReport:
+    """One load run, in-process (`run_engine` and the plain-diffusers baselines) or over HTTP (`serve_load.send`);
+    the fields a kind of run cannot know are None."""
+
     name: str
     requests: int
+    answered: int
     wall_s: float
-    images_per_s: float
+    images_per_s: float  # answered images per second of wall time
     mismatches: int  # images more than 1 level of 255 away from their solo reference
-    adapter_changes_requested: int  # consecutive requests (in arrival order) whose adapters differ
+    adapter_changes_requested: int  # consecutive requests (in submission order) whose adapters differ
     swaps: int
-    wait_p50_s: float | None
-    wait_p95_s: float | None
-    wait_max_s: float | None
+    wait_p50_s: float | None = None
+    wait_p95_s: float | None = None
+    wait_max_s: float | None = None
     batches: int | None = None  # pipeline calls the engine made for these requests
+    avoidable_swaps: int | None = None  # HTTP, one client: swaps although the adapter was live on another replica
+    replicas: dict[str, int] | None = None  # HTTP: answers per replica
+    retried: int | None = None  # HTTP: answers that needed more than one attempt (their first replica died)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def swaps_per_request(self) -> float:
+        return self.swaps / max(1, self.answered)
+
+
+def report(name: str, jobs: list[Job], answered: list[tuple[Job, object]], wall_s: float, refs: dict, swaps: int,
+           **extra) -> LoadReport:
+    """A LoadReport from the jobs sent and the (job, image) pairs that came back."""
+    return LoadReport(
+        name=name, requests=len(jobs), answered=len(answered), wall_s=wall_s, images_per_s=len(answered) / wall_s,
+        mismatches=sum(levels(image, refs[job]) > 1 for job, image in answered) if refs else 0,
+        adapter_changes_requested=sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:])), swaps=swaps, **extra,
+    )
 
 
 def make_jobs(adapters: list[str | None], n: int, seed: int, strengths: tuple[float, ...] = (0.6, 1.0)) -> list[Job]:
@@ -74,11 +96,7 @@ def solo_references(manager: LoraManager, jobs: list[Job]) -> dict[Job, object]:
     return {job: manager.generate(job.prompt, job.adapter, job.strength, job.seed).image for job in dict.fromkeys(jobs)}
 
 
-def _changes(jobs: list[Job]) -> int:
-    return sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:]))
-
-
-def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, name: str) -> RunReport:
+def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, name: str) -> LoadReport:
     """K client threads submit their share of the jobs at once; the scheduler orders and groups them."""
     before = manager.stats()
     t0 = time.perf_counter()
@@ -86,15 +104,8 @@ def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, 
         images = list(pool.map(lambda j: manager.generate(j.prompt, j.adapter, j.strength, j.seed).image, jobs))
     wall = time.perf_counter() - t0
     waits = sorted(list(manager.scheduler.stats.waits_s)[-len(jobs):])  # this run's requests are the latest
-    mismatches = sum(levels(img, refs[j]) > 1 for j, img in zip(jobs, images)) if refs else 0
-    return RunReport(
-        name=name,
-        requests=len(jobs),
-        wall_s=wall,
-        images_per_s=len(jobs) / wall,
-        mismatches=mismatches,
-        adapter_changes_requested=_changes(jobs),
-        swaps=manager.stats()["swaps"] - before["swaps"],
+    return report(
+        name, jobs, list(zip(jobs, images)), wall, refs, manager.stats()["swaps"] - before["swaps"],
         wait_p50_s=statistics.median(waits) if waits else None,
         wait_p95_s=waits[int(0.95 * (len(waits) - 1))] if waits else None,
         wait_max_s=waits[-1] if waits else None,
@@ -102,7 +113,7 @@ def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, 
     )
 
 
-def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, refs: dict, params: dict) -> RunReport:
+def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, refs: dict, params: dict) -> LoadReport:
     """Every adapter resident in `pipe`; each request switches the global adapter set on arrival, no lock."""
     import torch
 
@@ -125,10 +136,7 @@ def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, re
     with ThreadPoolExecutor(clients) as pool:
         images = list(pool.map(serve, jobs))
     wall = time.perf_counter() - t0
-    return RunReport(
-        "naive swap-on-arrival", len(jobs), wall, len(jobs) / wall,
-        sum(levels(img, refs[j]) > 1 for j, img in zip(jobs, images)), _changes(jobs), len(jobs), None, None, None,
-    )
+    return report("naive swap-on-arrival", jobs, list(zip(jobs, images)), wall, refs, swaps=len(jobs))
 
 
 def with_lora(pipe, adapter: Path):
@@ -139,7 +147,7 @@ def with_lora(pipe, adapter: Path):
     return pipe
 
 
-def run_plain_batches(pipe, jobs: list[Job], batch: int, refs: dict, params: dict) -> RunReport:
+def run_plain_batches(pipe, jobs: list[Job], batch: int, refs: dict, params: dict) -> LoadReport:
     """`pipe` (one adapter loaded, `with_lora`) serving the jobs `batch` prompts per pipeline call."""
     import torch
 
@@ -150,18 +158,16 @@ def run_plain_batches(pipe, jobs: list[Job], batch: int, refs: dict, params: dic
         generators = [torch.Generator("cpu").manual_seed(j.seed) for j in chunk]
         images += pipe([j.prompt for j in chunk], generator=generators, **params).images
     wall = time.perf_counter() - t0
-    mismatches = sum(levels(img, refs[j]) > 1 for j, img in zip(jobs, images))
-    return RunReport(f"plain diffusers, one LoRA, batches of {batch}", len(jobs), wall, len(jobs) / wall, mismatches,
-                     _changes(jobs), 0, None, None, None)
+    return report(f"plain diffusers, one LoRA, batches of {batch}", jobs, list(zip(jobs, images)), wall, refs, swaps=0)
 
 
-def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, params: dict) -> RunReport:
+def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, params: dict) -> LoadReport:
     """Reload per request: read the adapter from disk for every request, one request at a time."""
     import torch
 
     lock = threading.Lock()
     t0 = time.perf_counter()
-    mismatches = 0
+    images = []
     for job in jobs:
         with lock:
             if job.adapter is not None:
@@ -172,9 +178,9 @@ def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, par
             image = pipe(job.prompt, generator=gen, **params).images[0]
             if job.adapter is not None:
                 pipe.unload_lora_weights()
-        mismatches += levels(image, refs[job]) > 1
+        images.append(image)
     wall = time.perf_counter() - t0
-    return RunReport("reload per request", len(jobs), wall, len(jobs) / wall, mismatches, _changes(jobs), len(jobs), None, None, None)
+    return report("reload per request", jobs, list(zip(jobs, images)), wall, refs, swaps=len(jobs))
 
 
 def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | None = None, preset: str = "tiny",
@@ -224,17 +230,17 @@ def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | No
     return out
 
 
-def _combine(reports: list[RunReport]) -> RunReport:
+def _combine(reports: list[LoadReport]) -> LoadReport:
     """One server's rounds as one report: counts and times summed, waits the worst round's."""
     def worst(field: str) -> float | None:
         return max((getattr(r, field) for r in reports if getattr(r, field) is not None), default=None)
 
-    wall, n = sum(r.wall_s for r in reports), sum(r.requests for r in reports)
-    return RunReport(
-        reports[0].name, n, wall, n / wall, sum(r.mismatches for r in reports),
-        sum(r.adapter_changes_requested for r in reports), sum(r.swaps for r in reports),
-        worst("wait_p50_s"), worst("wait_p95_s"), worst("wait_max_s"),
-        sum(r.batches for r in reports) if reports[0].batches is not None else None,
+    total = lambda field: sum(getattr(r, field) for r in reports)  # noqa: E731
+    wall = total("wall_s")
+    return LoadReport(
+        reports[0].name, total("requests"), total("answered"), wall, total("answered") / wall, total("mismatches"),
+        total("adapter_changes_requested"), total("swaps"), worst("wait_p50_s"), worst("wait_p95_s"),
+        worst("wait_max_s"), total("batches") if reports[0].batches is not None else None,
     )
 
 

@@ -18,34 +18,18 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
 from ..engine import LoraManager
 from ..serving.protocol import answer_image, request_body
-from ..testing import free_port, levels
-from .load import Job, make_jobs, solo_references
+from ..testing import free_port
+from .load import Job, LoadReport, make_jobs, report, solo_references
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    name: str
-    requests: int
-    answered: int
-    mismatches: int  # answers more than 1 level of 255 away from their solo reference
-    swaps: int  # answers whose replica had to swap adapters first
-    swaps_per_request: float
-    avoidable_swaps: int | None  # one client only: swaps although the adapter was live on another replica
-    adapter_changes_requested: int  # consecutive jobs (in submission order) whose adapters differ
-    replicas: dict[str, int]  # answers per replica
-    retried: int  # answers that needed more than one attempt (their first replica died)
-    errors: list[str]
-    wall_s: float
 
 
 def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_first=None) -> LoadReport:
@@ -83,19 +67,10 @@ def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_f
         for job, a in ok:
             avoidable += a["info"]["swap_ms"] > 0 and job.adapter in live.values()
             live[a["info"]["replica"]] = job.adapter
-    return LoadReport(
-        name=name,
-        requests=len(jobs),
-        answered=len(ok),
-        mismatches=sum(levels(img, refs[job]) > 1 for (job, _), img in zip(ok, images)),
-        swaps=swaps,
-        swaps_per_request=swaps / max(1, len(ok)),
-        avoidable_swaps=avoidable,
-        adapter_changes_requested=sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:])),
-        replicas=dict(Counter(a["info"]["replica"] for _, a in ok)),
-        retried=sum(a["info"]["attempts"] > 1 for _, a in ok),
-        errors=errors,
-        wall_s=wall,
+    return report(
+        name, jobs, [(job, img) for (job, _), img in zip(ok, images)], wall, refs, swaps,
+        avoidable_swaps=avoidable, replicas=dict(Counter(a["info"]["replica"] for _, a in ok)),
+        retried=sum(a["info"]["attempts"] > 1 for _, a in ok), errors=errors,
     )
 
 
@@ -148,7 +123,8 @@ def measure(base: str, preset: str = "tiny", requests: int = 16, clients: int = 
     killed: list[str] = []
     loads.append(send(f"{base}/affinity", kill_jobs, 2 * clients, refs, "affinity, one replica killed",
                       after_first=(len(kill_jobs) // 4, lambda: killed.append(kill_one_replica("affinity")))))
-    return {"preset": preset, "clients": clients, "killed": killed, "loads": [asdict(r) for r in loads]}
+    return {"preset": preset, "clients": clients, "killed": killed,
+            "loads": [asdict(r) | {"swaps_per_request": r.swaps_per_request} for r in loads]}
 
 
 def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: int = 2, seed: int = 0) -> dict:
