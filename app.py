@@ -181,7 +181,6 @@ def gallery_items(engine: Engine) -> list[tuple]:
     return items
 
 
-@gpu
 def generate(engine: Engine, prompt: str, adapter, strength: float, seed: int, steps: int | None,
              progress=gr.Progress()):
     """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
@@ -357,7 +356,8 @@ def _generate_tab(demo: gr.Blocks, engine: Engine) -> None:
     (run.click(_bind(prepare, engine), [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
                [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps], api_visibility="private",
                queue=False)
-        .success(_bind(generate, engine), [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
+        # ZeroGPU pickles a GPU function's arguments into its worker: the engine is bound before `gpu`, not passed
+        .success(gpu(_bind(generate, engine)), [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
                  [image, info], api_name="generate", concurrency_limit=GENERATE_CONCURRENCY)
         .then(info_markdown, info, panel, api_visibility="private", queue=False))
     added = (add.click(_bind(add_adapter, engine), [repo_id, weight_name], status, api_name="add_adapter")

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import base64
+import functools
 import gc
+import inspect
 import io
 import multiprocessing
 import os
+import pickle
 
 import httpx
 import numpy as np
@@ -38,12 +41,24 @@ def _generate_in_child(handler, conn) -> None:
     conn.close()
 
 
-def test_app_generate_from_a_forked_child_equals_the_parent(manager):
-    """ZeroGPU runs each `spaces.GPU` call in a process forked from the app after start-up."""
+def _pickling_gpu(fn):
+    """As `spaces.GPU` on ZeroGPU: the call's arguments travel to the GPU worker process by pickle."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        pickle.dumps(args)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def test_app_generate_from_a_forked_child_equals_the_parent(manager, monkeypatch):
+    """ZeroGPU runs each `spaces.GPU` call in a process forked from the app after start-up, its arguments pickled."""
     import app
 
+    monkeypatch.setattr(app, "gpu", _pickling_gpu)
     demo = app.build_demo(manager)
     handler = next(f.fn for f in demo.fns.values() if f.api_name == "generate")
+    assert list(inspect.signature(handler).parameters) == ["prompt", "adapter", "strength", "seed", "steps", "progress"]
     manager.generate(PROMPT, adapter="r4_attn", steps=1)  # the worker thread has run before the fork
     ctx = multiprocessing.get_context("fork")
     parent_end, child_end = ctx.Pipe(duplex=False)
