@@ -135,3 +135,14 @@ def test_the_engine_provides_the_interface_the_app_is_written_against(manager):
     assert manager.max_adapters == len(manager.slots)
     assert list(manager.startup_s) == ["adapter_reads", "template"]  # eager, built from a pipeline
     assert all(s >= 0 for s in manager.startup_s.values())
+
+
+@pytest.mark.parametrize("content", [None, b"garbage", b""])
+def test_a_missing_or_broken_aot_package_is_refused_with_its_reason(adapter_dir, tmp_path, content):
+    from lora_manager import LoraManagerError
+
+    path = tmp_path / "unet.pt2"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(LoraManagerError, match="no such file" if content is None else "cannot be loaded"):
+        LoraManager(load_tiny(), make_catalog(adapter_dir), aot_package=path)

@@ -295,8 +295,14 @@ def open_package(path: str | Path):
     constructs is the one built here; the ISA check is done below from torch's own CPU capability instead."""
     from torch.export.pt2_archive._package import AOTICompiledModel
 
-    model = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
-    meta = model.get_metadata()
+    if not Path(path).is_file():
+        raise AotShapeError(f"AOT package {str(path)[:200]!r}: no such file (build one with `python -m lora_manager "
+                            f"aot-package`).")
+    try:
+        model = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
+        meta = model.get_metadata()
+    except RuntimeError as e:  # the C++ loader's errors: not a zip archive, no model inside, a broken .so
+        raise AotShapeError(f"AOT package {Path(path).name!r} cannot be loaded: {str(e)[:300]}") from None
     if meta.get("AOTI_DEVICE_KEY") == "cpu":
         built = (meta.get("AOTI_CPU_ISA") or "DEFAULT").split()[0].upper()
         here = torch.backends.cpu.get_cpu_capability().upper()
