@@ -1,0 +1,157 @@
+"""Rewrite README.md's generated blocks from the tutorial notebook's measured values (notebooks/figures/results.json).
+
+    python notebooks/fill_readme.py            # rewrite the blocks in place
+    python notebooks/fill_readme.py --check    # exit 1 if a block differs from what the JSON gives
+
+A block is the text between `<!-- results:NAME:start -->` and `<!-- results:NAME:end -->`; everything outside the
+markers is left alone. The notebook's last cell shows `results_table(...)` of the same JSON, and
+tests/test_notebook.py checks that the README blocks and the committed notebook's output equal what this script
+writes, so a number quoted in the README is the number the committed run measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_JSON = ROOT / "notebooks" / "figures" / "results.json"
+README = ROOT / "README.md"
+BENCH = {  # other runs quoted next to the notebook's tiny-model row in the Performance table
+    "SDXL-size, CPU, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_cpu.json",
+    "SDXL-size, H200, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_h200.json",
+}
+BENCH_COLUMNS = ("floor_flat_ms", "floor_per_tensor_ms", "engine_swap_ms", "engine_swap_mixed_ms",
+                 "diffusers_hotswap_ms", "diffusers_hotswap_dict_ms", "set_adapters_10_resident_ms",
+                 "delete_load_ms", "unload_load_ms")
+
+
+def load(path: Path = RESULTS_JSON) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def values(data: dict) -> dict:
+    return {r["key"]: r["value"] for r in data["results"]}
+
+
+def fmt(v) -> str:
+    if isinstance(v, list):
+        return " / ".join(fmt(x) for x in v)
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def results_table(data: dict) -> str:
+    """Every value the notebook's run recorded, in the order it measured them (the notebook's recap shows this)."""
+    lines = ["| measurement (tiny model, this run) | value |", "|---|---|"]
+    lines += [f"| {r['label']} | {fmt(r['value'])} |" for r in data["results"]]
+    return "\n".join(lines)
+
+
+def run_line(data: dict) -> str:
+    run = data["run"]
+    return (f"torch {run['torch']}, diffusers {run['diffusers']}, peft {run['peft']}; {run['cpu_count']} CPU cores, "
+            f"{run['torch_threads']} torch thread; inductor cache at the compile: {run['inductor_cache']}; the "
+            f"notebook ran in {run['notebook_s']:.0f} s")
+
+
+def tutorial_block(data: dict) -> str:
+    v = values(data)
+    rows = [
+        ("reload per request (`delete_adapters` + `load_lora_weights`)", v["reload_ms"]),
+        (f"`set_adapters` with {v['resident_max']} LoRAs loaded", v["set_adapters_max_ms"]),
+        ("plain diffusers hotswap, from the file / from a cached dict",
+         f"{fmt(v['hotswap_file_ms'])} / {fmt(v['hotswap_dict_ms'])}"),
+        (f"**LoraManager swap** (a bare copy of the same tensors: {fmt(v['floor_per_tensor_ms'])})",
+         f"**{fmt(v['engine_swap_ms'])}**"),
+    ]
+    lines = [f"From that run ({run_line(data)}):", "",
+             "| per adapter switch (tiny model) | ms |", "|---|---|"]
+    lines += [f"| {name} | {fmt(val)} |" for name, val in rows]
+    lines += [
+        "",
+        f"UNet forward: no LoRA {fmt(v['fwd_base_ms'])} ms; the manager's template (rank {v['template_rank']}) "
+        f"{fmt(v['fwd_template_ms'])} ms, however many LoRAs it holds in CPU memory; {v['resident_max']} LoRAs "
+        f"loaded with all active (weights 1, 0, 0, …) {fmt(v['fwd_resident_all_active_ms'])} ms, with only one "
+        f"active (`set_adapters(\"x\")`) {fmt(v['fwd_resident_one_active_ms'])} ms. Compile (two slots) "
+        f"{fmt(v['compile_s'])} s, then {v['recompiles_after_swaps']} recompiles over {v['compiled_swaps']} swaps "
+        f"({v['compiled_swap_range']}, the text-encoder LoRA included); two LoRAs in one request equal plain "
+        f"diffusers' `set_adapters` to {v['two_loras_levels']} levels of 255; the counterfactual (a new adapter name "
+        f"+ `set_adapters`): {v['recompile_new_name_graphs']} new graph, its first call "
+        f"{fmt(v['recompile_new_name_s'])} s. All values: the notebook's last "
+        f"cell, and `notebooks/figures/results.json`.",
+    ]
+    return "\n".join(lines)
+
+
+def performance_block(data: dict) -> str:
+    v = values(data)
+    header = ("| ms per switch | floor: one copy | floor: copy per tensor | **engine swap** | engine, mixed ranks | "
+              "diffusers hotswap (file) | hotswap (dict) | set_adapters, 10 resident | delete + load | unload + load |")
+    lines = [header, "|" + "---|" * 10]
+    for name, path in BENCH.items():
+        r = json.loads(path.read_text())["results"]
+        cells = [fmt(r[k]) for k in BENCH_COLUMNS]
+        cells[2] = f"**{cells[2]}** ({r['engine_swap_ms'] / r['floor_per_tensor_ms']:.2f}× floor)"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ranks = ", ".join(map(str, v["swap_cycle_ranks"]))
+    tiny = [v["floor_flat_ms"], v["floor_per_tensor_ms"], f"**{fmt(v['engine_swap_ms'])}** (ranks {ranks})", "—",
+            v["hotswap_file_ms"], v["hotswap_dict_ms"],
+            v["set_adapters_max_ms"] if v["resident_max"] == 10 else "—", v["reload_ms"], v["reload_unload_ms"]]
+    label = "tiny, CPU, fp32 (the tutorial's run; fastest sample, not median)"
+    lines.append(f"| {label} | " + " | ".join(fmt(c) for c in tiny) + " |")
+    counts = v["resident_counts"]
+    lines += [
+        "",
+        f"Tiny model, the tutorial's run: a UNet forward takes "
+        f"{' / '.join(fmt(x) for x in v['fwd_resident_ms'])} ms with {' / '.join(map(str, counts))} LoRAs loaded "
+        f"(all active, unused ones at weight 0), {fmt(v['fwd_resident_one_active_ms'])} ms with "
+        f"{counts[-1]} loaded and only one active, against {fmt(v['fwd_template_ms'])} ms for the manager's "
+        f"template and {fmt(v['fwd_base_ms'])} ms without LoRA.",
+    ]
+    return "\n".join(lines)
+
+
+BLOCKS = {"tutorial": tutorial_block, "performance": performance_block}
+
+
+def fill(text: str, data: dict) -> str:
+    for name, render in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- results:{name}:start -->\n).*?(<!-- results:{name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"README.md has no results:{name} markers")
+        body = render(data)
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def blocks(text: str) -> dict[str, str]:
+    """The README's current generated blocks, by name."""
+    return {name: re.search(rf"<!-- results:{name}:start -->\n(.*?)<!-- results:{name}:end -->", text, re.S).group(1)
+            .removesuffix("\n") for name in BLOCKS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if the README is stale")
+    parser.add_argument("--results", type=Path, default=RESULTS_JSON)
+    args = parser.parse_args(argv)
+    old = README.read_text()
+    new = fill(old, load(args.results))
+    if args.check:
+        if new != old:
+            print("README.md is stale: run python notebooks/fill_readme.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        README.write_text(new)
+    print(f"README.md: {'rewrote' if new != old else 'unchanged'} blocks {', '.join(BLOCKS)} from {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
