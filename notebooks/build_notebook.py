@@ -848,8 +848,20 @@ record("concurrent_identical", "concurrent requests bit-identical to solo", f"{s
 For throughput, `LoraManager(..., max_batch=4)` runs up to 4 queued requests as one pipeline call, **mixed
 adapters included**: each row of the batch runs its own LoRA (and strength) from its own device slot, and each image
 equals its solo image within 1 level of 255 (`tests/test_mixed_batches.py`). `python -m lora_manager loadtest`
-compares this engine with a naive "switch on arrival" server and with reload-per-request under concurrent load.
-
+compares this engine with plain diffusers and a naive "switch on arrival" server under concurrent load. It takes
+minutes, so this notebook does not run it: the table below reads the file that
+`OMP_NUM_THREADS=1 python -m lora_manager loadtest --clients 16 --requests 2 --json
+notebooks/figures/loadtest_mixed_batches_tiny_cpu.json` wrote on this CPU (`max_batch=8`).
+"""),
+    code(r"""
+load = json.loads((ROOT / "notebooks" / "figures" / "loadtest_mixed_batches_tiny_cpu.json").read_text())
+table(["server", "images/s", "images off their solo reference", "pipeline calls"],
+      [[r["name"], f"{r['images_per_s']:.2f}", f"{r['mismatches']} of {r['requests']}", r["batches"] or "—"]
+       for r in load["runs"]])
+print(f"mixed adapters / one adapter: {load['mixed_over_single_throughput']:.2f}x; "
+      f"mixed adapters / plain diffusers batches of one LoRA: {load['mixed_over_plain_batches_throughput']:.2f}x")
+"""),
+    md(r"""
 ## 8. Moving to a GPU Space
 
 Everything above runs the same way on a GPU; the preset is the switch:

@@ -80,7 +80,7 @@ def tutorial_block(data: dict) -> str:
         f"active (`set_adapters(\"x\")`) {fmt(v['fwd_resident_one_active_ms'])} ms. Compile (two slots) "
         f"{fmt(v['compile_s'])} s, then {v['recompiles_after_swaps']} recompiles over {v['compiled_swaps']} swaps "
         f"({v['compiled_swap_range']}, the text-encoder LoRA included); two LoRAs in one request equal plain "
-        f"diffusers' `set_adapters` to {v['two_loras_levels']} levels of 255; the counterfactual (a new adapter name "
+        f"diffusers' `set_adapters` within {v['two_loras_levels']} of 255 levels; the counterfactual (a new adapter name "
         f"+ `set_adapters`): {v['recompile_new_name_graphs']} new graph, its first call "
         f"{fmt(v['recompile_new_name_s'])} s. All values: the notebook's last "
         f"cell, and `notebooks/figures/results.json`.",

@@ -1,10 +1,13 @@
 """Train the tiny SD pipeline and its LoRA zoo from a seed, on a CPU.
 
     python -m lora_manager.tiny_model.build --out lora_manager/presets/tiny [--quick] [--seed 0]
+    python -m lora_manager.tiny_model.build --out /tmp/tiny_build --adapters-only --base lora_manager/presets/tiny
 
 Stages: VAE on every style mixed (the UNet cannot draw what the VAE cannot
 reconstruct), then text encoder + UNet jointly on plain captions, then one
-LoRA per style on captions that end in the style's trigger word. Everything
+LoRA per style on captions that end in the style's trigger word (with
+--adapters-only, the base of an existing build is copied and kept, and only the
+LoRAs, previews, catalog and grid are made again). Everything
 is saved in plain diffusers formats so the manager can load it like any
 downloaded model.
 """
@@ -12,11 +15,13 @@ downloaded model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shutil
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, EulerDiscreteScheduler
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -49,6 +55,9 @@ class AdapterSpec:
     targets: tuple[str, ...]
     kohya: bool = False  # write kohya/A1111 keys instead of diffusers keys
     text_encoder: bool = False  # also train a LoRA on the CLIP attention
+    step_share: float = 1.0  # share of the budget's LoRA steps this adapter trains for
+    style_weight: float = 4.0  # extra loss weight where the styled latent differs from the plain one
+    half_share: float = 0.3  # share of the steps run at strength 0.5 towards the halfway latent (see train_lora)
 
     def describe(self) -> str:
         what = "attention only" if tuple(self.targets) == ATTENTION else "attention+ff+proj+conv"
@@ -61,8 +70,11 @@ ZOO = (
     AdapterSpec("outline", "Outline", "outline", 16, 8, BLOCKS),  # alpha = rank/2
     AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank
     AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True),  # alpha = 2*rank
-    AdapterSpec("checker", "Checker", "checker", 4, 8, ATTENTION, kohya=True),  # smallest rank
-    AdapterSpec("frame", "Frame", "framed", 32, 32, ATTENTION),  # largest rank
+    # attention-only LoRAs drawing over the whole image keep the prompt's shape and colours best with a plain loss and
+    # no half-strength steps (measured per adapter: with them, 25-45% of the shapes stayed readable, without, 45-75%)
+    AdapterSpec("checker", "Checker", "checker", 4, 8, ATTENTION, kohya=True,  # smallest rank
+                step_share=0.5, style_weight=0.0, half_share=0.0),
+    AdapterSpec("frame", "Frame", "framed", 32, 32, ATTENTION, style_weight=0.0, half_share=0.0),  # largest rank
 )
 
 
@@ -74,15 +86,25 @@ class Budget:
     vae_steps: int
     base_steps: int
     lora_steps: int
-    batch: int  # base batch; the VAE takes this many 32 px crops, LoRAs LORA_BATCH_RATIO of it
+    batch: int  # base batch; the VAE takes this many 32 px crops
     renders: int  # renders per training caption, pre-encoded once to save VAE time
+    lora_renders: int = 8  # renders per training caption for a style LoRA (each with its plain twin)
+    lora_batch: int = 16
+    lora_lr: float = 6e-3  # peak, for alpha >= rank; scaled by rank/alpha below that
     adapters: tuple[str, ...] = field(default_factory=lambda: tuple(a.id for a in ZOO))
 
 
-FULL_BUDGET = Budget(vae_steps=350, base_steps=2200, lora_steps=300, batch=48, renders=24)  # 1000/150 left prompts ~50% right, styles faint
-QUICK_BUDGET = Budget(vae_steps=3, base_steps=3, lora_steps=2, batch=4, renders=1, adapters=("pixel", "checker"))
+FULL_BUDGET = Budget(vae_steps=350, base_steps=2200, lora_steps=600, batch=48, renders=24, lora_batch=16, lora_lr=6e-3)
+# base: 1000/150 steps left prompts ~50% right. LoRAs: 300 steps at batch 32, 4e-3 with cosine decay and an
+# unweighted min-SNR loss left the styles faint (stripes scored 0.11 of a ground-truth 0.37) and strength 0.5 drew
+# almost nothing. With the style-weighted loss at batch 16 and a constant 4e-3, stripes reached 0.21 by step 500 with
+# prompts still followed; by step 1000 colours fell to 65% (1.5e-2 stalled at 0.06); 1100 steps peaking at 6e-3
+# over-trained frame and checker (shape 15-30%). So 600 steps peaking at 6e-3 under the cosine, with the per-adapter
+# settings in ZOO: 0.2-0.3 s/step on one thread, 12.5 min for all six (2 OpenMP threads fell to 0.5 s/step while
+# others used the CPU). The detector scores each setting was chosen by: tests/test_tiny_model.py.
+QUICK_BUDGET = Budget(vae_steps=3, base_steps=3, lora_steps=2, batch=4, renders=1, lora_renders=1, lora_batch=4,
+                      adapters=("pixel", "checker"))
 VAE_CROP = 32  # the VAE is convolutional: 32 px crops cost 1/4 and still see every pattern
-LORA_BATCH_RATIO = 2 / 3  # smaller LoRA batches keep six adapters inside the time budget
 GENERATION = {"height": 64, "width": 64, "num_inference_steps": 10, "guidance_scale": 7.5}  # 15 steps: 1.2 s/image with a LoRA; 7.5 beat 4 on held-out colours
 
 
@@ -235,23 +257,68 @@ def tokens(tok: CLIPTokenizer, captions: list[str]) -> torch.Tensor:
     return tok(captions, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
 
 
+def style_weights(lat_style: torch.Tensor, lat_plain: torch.Tensor, extra: float) -> torch.Tensor:
+    """Per-latent-pixel loss weights, 1 + extra where the style changed the latent.
+
+    A style is a small part of each image (a ring, thin stripes, a border); with a
+    plain epsilon loss the LoRA spends its steps re-learning the content the base
+    already draws, and the style stays faint. The difference to the same scene drawn
+    plain says where the style is; weights are normalised to mean 1 per image so
+    the overall step size does not change with the style's area.
+    """
+    d = (lat_style - lat_plain).abs().mean(1, keepdim=True)
+    d = (d / d.flatten().quantile(0.99).clamp(min=1e-6)).clamp(max=1)
+    w = 1 + extra * d
+    return w / w.mean((1, 2, 3), keepdim=True)
+
+
 def train_lora(folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Random, gen: torch.Generator, out: Path) -> None:
-    """Train one style LoRA on the shipped (fp16-rounded) base and save it."""
+    """Train one style LoRA on the shipped (fp16-rounded) base and save it.
+
+    Each training scene is rendered twice, in the style and plain, to weight the
+    loss towards the style (`style_weights`); the loss is plain epsilon MSE with no
+    min-SNR down-weighting of low noise levels, where the fine patterns (stripes,
+    dots, pixel blocks) are decided. A share of the steps runs the LoRA at strength
+    0.5 against the latent halfway between plain and styled: without them a LoRA
+    at 0.5 drew almost nothing of its style, so a strength slider did little below 1.
+    """
     pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     unet, te = pipe.unet, pipe.text_encoder
     unet.requires_grad_(False)
     te.requires_grad_(False)
     train, _ = shapes.split_captions()
-    imgs, caps = render_set(rng, train, budget.renders // 3 or 1, spec.trigger)  # styles need fewer renders than the base
-    lat, ids = encode(pipe.vae, imgs), tokens(pipe.tokenizer, caps)
+    scenes = [shapes.random_scene(rng, t, spec.trigger) for t in train for _ in range(budget.lora_renders)]
+    styled = np.stack([shapes.render(sc) for sc in scenes])
+    plain = np.stack([shapes.render(dataclasses.replace(sc, style=None)) for sc in scenes])
+    lat, ids = encode(pipe.vae, styled), tokens(pipe.tokenizer, [sc.caption for sc in scenes])
+    lat_plain = encode(pipe.vae, plain)
+    weights = style_weights(lat, lat_plain, spec.style_weight)
     unet.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), init_lora_weights="gaussian"))
     if spec.text_encoder:
         te.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(TEXT_ATTENTION), init_lora_weights="gaussian"))
     params = [p for m in (unet, te) for p in m.parameters() if p.requires_grad]
-    draw = sampler(lat, ids, max(2, round(budget.batch * LORA_BATCH_RATIO)), gen, None)
+    layers = [m for model in (unet, te) for m in model.modules() if isinstance(m, LoraLayer)]
     noise_sched = DDPMScheduler.from_config(pipe.scheduler.config)
-    lr = 4e-3 * spec.rank / spec.alpha  # alpha/rank scales the update, so this evens out the step size
-    fit(params, lambda: diffusion_loss(unet, te, noise_sched, *draw(), gen), budget.lora_steps, lr, spec.id)
+
+    def loss() -> torch.Tensor:
+        idx = torch.randint(0, len(lat), (budget.lora_batch,), generator=gen)
+        half = torch.rand((), generator=gen).item() < spec.half_share
+        x = (lat[idx] + lat_plain[idx]) / 2 if half else lat[idx]
+        noise = torch.randn(x.shape, generator=gen)
+        t = torch.randint(0, noise_sched.config.num_train_timesteps, (len(x),), generator=gen)
+        for layer in layers if half else ():
+            layer.scale_layer(0.5)
+        try:
+            pred = unet(noise_sched.add_noise(x, noise, t), t, te(ids[idx])[0]).sample
+        finally:
+            for layer in layers if half else ():
+                layer.unscale_layer(0.5)
+        return (weights[idx] * (pred - noise) ** 2).mean()
+
+    # alpha/rank scales the update, so this evens out the step size; never above the peak (outline, alpha = rank/2,
+    # diverged at twice it)
+    lr = budget.lora_lr * min(1.0, spec.rank / spec.alpha)
+    fit(params, loss, max(1, round(budget.lora_steps * spec.step_share)), lr, spec.id)
     save_adapter(spec, unet, te, out)
 
 
@@ -350,11 +417,48 @@ def run_in_float32(folder: Path) -> None:
     config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def build(out: Path, budget: Budget, seed: int, threads: int) -> None:
+def copy_base(base: Path, out: Path) -> None:
+    """--adapters-only: take the base (model/, and compiled/ whose key does not depend on
+    LoRA weights) from an existing build instead of training it."""
+    if not (base / "model" / "model_index.json").is_file():
+        raise SystemExit(f"--base {base}: no model/model_index.json there")
+    out.mkdir(parents=True, exist_ok=True)
+    for sub in ("model", "compiled"):
+        if (base / sub).exists() and (base / sub).resolve() != (out / sub).resolve():
+            shutil.rmtree(out / sub, ignore_errors=True)
+            shutil.copytree(base / sub, out / sub)
+
+
+def build(out: Path, budget: Budget, seed: int, threads: int, base: Path | None = None) -> None:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     times: dict[str, float] = {}
+    if base is not None:
+        t0 = time.time()
+        copy_base(base, out)
+        for sub in ("adapters", "previews"):  # stale files from an older build must not survive
+            shutil.rmtree(out / sub, ignore_errors=True)
+        times["copy base"] = time.time() - t0
+    else:
+        train_base(out, budget, rng, gen, times)
+    specs = [s for s in ZOO if s.id in budget.adapters]
+    for spec in specs:
+        t0 = time.time()
+        # each adapter draws its scenes and noise from its own streams; the LoRA's initial weights come from torch's
+        # global generator, so an --adapters subset starts from other weights than the whole zoo's build
+        key = f"{seed}/{spec.id}"
+        train_lora(out / "model", spec, budget, random.Random(key), torch.Generator().manual_seed(zlib.crc32(key.encode())),
+                   out / "adapters")
+        times[spec.id] = time.time() - t0
+    t0 = time.time()
+    write_outputs(out, specs)
+    times["outputs"] = time.time() - t0
+    log("stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()) + f"; total {sum(times.values()):.0f}")
+
+
+def train_base(out: Path, budget: Budget, rng: random.Random, gen: torch.Generator, times: dict[str, float]) -> None:
+    """VAE, then text encoder + UNet; saves out/model (fp16) and clears older outputs."""
     t0 = time.time()
     tok = make_tokenizer()
     vae, te, unet = make_models(len(tok))
@@ -380,26 +484,34 @@ def build(out: Path, budget: Budget, seed: int, threads: int) -> None:
     run_in_float32(out / "model")
     times["base"] = time.time() - t0
 
-    specs = [s for s in ZOO if s.id in budget.adapters]
-    for spec in specs:
-        t0 = time.time()
-        train_lora(out / "model", spec, budget, rng, gen, out / "adapters")
-        times[spec.id] = time.time() - t0
-    t0 = time.time()
-    write_outputs(out, specs)
-    times["outputs"] = time.time() - t0
-    log("stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()) + f"; total {sum(times.values()):.0f}")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny step counts, 2 adapters: checks the code path")
+    ap.add_argument("--adapters-only", action="store_true",
+                    help="keep the base model of --base (VAE, text encoder, UNet as shipped) and train only the LoRAs")
+    ap.add_argument("--base", type=Path, default=None, help="preset folder whose model/ (and compiled/) --adapters-only uses; default: --out")
+    ap.add_argument("--adapters", default=None, help="comma-separated adapter ids to train (default: the whole zoo, or the quick pair); "
+                         "the output's adapters/, previews/ and catalog hold just these")
+    ap.add_argument("--lora-steps", type=int, default=None, help="override the budget's steps per LoRA")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2,
                     help="2 on an idle machine; 1 if it shares the CPU (2 OpenMP threads then run 3-10x slower)")
     args = ap.parse_args()
-    build(args.out, QUICK_BUDGET if args.quick else FULL_BUDGET, args.seed, args.threads)
+    budget = QUICK_BUDGET if args.quick else FULL_BUDGET
+    if args.adapters:
+        ids = tuple(a.strip() for a in args.adapters.split(","))
+        unknown = set(ids) - {s.id for s in ZOO}
+        if unknown:
+            ap.error(f"unknown adapter ids: {sorted(unknown)}")
+        budget = dataclasses.replace(budget, adapters=ids)
+    if args.lora_steps is not None:
+        budget = dataclasses.replace(budget, lora_steps=args.lora_steps)
+    if args.base is not None and not args.adapters_only:
+        ap.error("--base only goes with --adapters-only")
+    base = (args.base or args.out) if args.adapters_only else None
+    build(args.out, budget, args.seed, args.threads, base)
 
 
 if __name__ == "__main__":
