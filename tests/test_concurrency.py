@@ -9,7 +9,7 @@ import pytest
 from conftest import ADAPTERS, PROMPT, load_tiny, make_catalog
 
 from lora_manager import LoraManager, QueueFullError
-from lora_manager.bench.load import PROMPTS, Job, make_jobs, run_engine, run_naive, solo_references
+from lora_manager.bench.load import PROMPTS, Job, cycle_jobs, make_jobs, run_engine, run_naive, solo_references
 from lora_manager.testing import levels
 from lora_manager.scheduler import Request, Scheduler
 
@@ -33,10 +33,24 @@ def test_concurrent_clients_each_get_their_solo_image(manager, jobs, refs):
     assert report.wait_max_s is not None
 
 
-def test_naive_swap_on_arrival_corrupts_requests_in_flight(adapter_dir, jobs, refs, manager):
+def test_naive_swap_on_arrival_corrupts_requests_in_flight(adapter_dir, manager):
+    """Four requests for four different adapters (none among them) each switch the global adapter set on arrival,
+    then wait after their first denoising step until all four have switched: every later step runs the last switch's
+    adapter, so the other three are served with one they did not ask for. (Left to thread timing, the overlap is
+    likely but not certain on a busy 2-core machine.)"""
     paths = {name: adapter_dir / f"{name}.safetensors" for name in ADAPTERS}
-    report = run_naive(load_tiny(), paths, jobs, clients=4, refs=refs, params=manager.generation_defaults)
-    assert report.mismatches > 0, "the global switch should have corrupted some in-flight request"
+    jobs = cycle_jobs(["r4_attn", "r7_conv", "r16_half", None], 4, seed=3)
+    refs = solo_references(manager, jobs)
+    together = threading.Barrier(len(jobs), timeout=120)
+
+    def hold_after_first_step(pipe, step, timestep, callback_kwargs):
+        if step == 0:
+            together.wait()
+        return callback_kwargs
+
+    params = {**manager.generation_defaults, "callback_on_step_end": hold_after_first_step}
+    report = run_naive(load_tiny(), paths, jobs, clients=len(jobs), refs=refs, params=params)
+    assert report.mismatches >= len(jobs) - 1, "the global switch should have corrupted the requests in flight"
 
 
 def test_same_adapter_requests_batch_and_equal_their_solo_images(adapter_dir):
