@@ -88,6 +88,7 @@ def test_a_sequence_of_mixes_reuses_live_slots(slots3, adapter_dir):
     assert levels(image(slots3, None), ref(adapter_dir, [])) <= 1  # every slot back to zero
 
 
+@pytest.mark.slow  # 12 s of generations: out of the inner loop
 def test_the_same_request_gives_the_same_bytes_whatever_the_slots_held(slots3):
     """LoRA branches are summed in slot order and float sums depend on order: a request's adapters always sit in
     the order of their ids."""

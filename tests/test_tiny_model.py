@@ -87,6 +87,7 @@ def style_centroid(pipe, trigger: str | None) -> np.ndarray:
     return np.mean(feats, axis=0)
 
 
+@pytest.mark.slow  # 7 s of generations: out of the inner loop
 def test_adapters_are_distinguishable(pipe):
     centroids = {"base": style_centroid(pipe, None)}
     for a in CATALOG["adapters"]:
