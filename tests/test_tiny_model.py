@@ -204,6 +204,9 @@ def test_quick_build(tmp_path):
 
 SIZE = shapes.SIZE
 _Y, _X = np.mgrid[0:SIZE, 0:SIZE]
+_EDGE = np.minimum(np.minimum(_X, _Y), np.minimum(SIZE - 1 - _X, SIZE - 1 - _Y))  # distance to the image edge
+_K = np.rint(np.fft.fftfreq(SIZE) * SIZE).astype(int)
+_KY, _KX = np.meshgrid(_K, _K, indexing="ij")  # integer frequency (cycles per image) of each FFT bin
 
 def _power(img):
     f = img.astype(np.float32) / 255
@@ -215,9 +218,7 @@ def _power(img):
 def stripes_score(img):
     """Share of spectral power at the stripe frequency: 8 px period horizontal bands = 8 cycles/image vertically."""
     p = _power(img)
-    k = np.rint(np.fft.fftfreq(SIZE) * SIZE).astype(int)
-    ky, kx = np.meshgrid(k, k, indexing="ij")
-    return float(p[(np.abs(np.abs(ky) - 8) <= 1) & (np.abs(kx) <= 3)].sum())
+    return float(p[(np.abs(np.abs(_KY) - 8) <= 1) & (np.abs(_KX) <= 3)].sum())
 
 def checker_score(img):
     """Agreement of neighbouring 16 px tiles' median brightness steps with the checkerboard's.
@@ -270,10 +271,8 @@ def dots_score(img):
     the model's dots wherever neighbours touch (a lattice of merged dots reads as one blob).
     """
     p = _power(img)
-    k = np.rint(np.fft.fftfreq(SIZE) * SIZE).astype(int)
-    ky, kx = np.meshgrid(k, k, indexing="ij")
-    along_x = p[(np.abs(kx) >= 6) & (np.abs(kx) <= 7) & (np.abs(ky) <= 2)].sum()
-    along_y = p[(np.abs(ky) >= 6) & (np.abs(ky) <= 7) & (np.abs(kx) <= 2)].sum()
+    along_x = p[(np.abs(_KX) >= 6) & (np.abs(_KX) <= 7) & (np.abs(_KY) <= 2)].sum()
+    along_y = p[(np.abs(_KY) >= 6) & (np.abs(_KY) <= 7) & (np.abs(_KX) <= 2)].sum()
     return float(min(along_x, along_y))
 
 
@@ -356,9 +355,7 @@ def outline_score(img):
 def frame_score(img):
     """Colour step from the 6 px border band to the band just inside it (0 when the border is background)."""
     f = img.astype(np.float32)
-    y, x = np.mgrid[0:SIZE, 0:SIZE]
-    d = np.minimum(np.minimum(x, y), np.minimum(SIZE - 1 - x, SIZE - 1 - y))
-    band, inside = np.median(f[(d >= 1) & (d < 5)], 0), np.median(f[(d >= 8) & (d < 11)], 0)
+    band, inside = np.median(f[(_EDGE >= 1) & (_EDGE < 5)], 0), np.median(f[(_EDGE >= 8) & (_EDGE < 11)], 0)
     return float(np.linalg.norm(band - inside) / 255)
 
 DETECTORS = {  # adapter id -> detector
@@ -367,7 +364,6 @@ DETECTORS = {  # adapter id -> detector
 
 # ---- prompt following under a style
 TRIGGERS = {"stripes": "striped", "outline": "outline", "dots": "dotted", "pixel": "pixel", "checker": "checker", "frame": "framed"}
-_EDGE = np.minimum(np.minimum(_X, _Y), np.minimum(SIZE - 1 - _X, SIZE - 1 - _Y))  # distance to the image edge
 _DARK_TILE = ((_X // 16) + (_Y // 16)) % 2 == 0
 
 def _bg_region(style):
@@ -391,16 +387,7 @@ def styled_reading(img, style=None):
         fg &= np.linalg.norm(f - (bg_rgb * 0.45 + 25.5), axis=-1) > 100
     if fg.sum() < 10:
         return bg, "none", "none"
-    names = [n for n in shapes.PALETTE if n != bg]
-    d = np.stack([np.linalg.norm(f[fg] - np.array(shapes.PALETTE[n]), axis=-1) for n in names])
-    colour = names[int(np.bincount(d.argmin(0), minlength=len(names)).argmax())]
-    body = solid(fg)
-    ys, xs = np.nonzero(body)
-    x0, x1 = np.percentile(xs, [1, 99])
-    y0, y1 = np.percentile(ys, [1, 99])
-    cx, cy, r = (x0 + x1 + 1) / 2, (y0 + y1 + 1) / 2, max(x1 - x0 + 1, y1 - y0 + 1) / 2
-    iou = {s: (shapes.shape_mask(s, cx, cy, r) & body).sum() / max((shapes.shape_mask(s, cx, cy, r) | body).sum(), 1) for s in shapes.SHAPES}
-    return bg, colour, max(iou, key=iou.get)
+    return bg, shapes.majority_colour(img, fg, bg), shapes.fit_shape(solid(fg))
 
 
 # What each adapter is held to on the held-out prompts (10 steps, guidance 7.5): its detector scores higher with the

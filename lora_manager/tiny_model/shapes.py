@@ -146,6 +146,11 @@ def shape_colour(img: np.ndarray) -> str:
     fg = foreground(img, bg)
     if fg.sum() < 10:
         return "none"
+    return majority_colour(img, fg, bg)
+
+
+def majority_colour(img: np.ndarray, fg: np.ndarray, bg: str) -> str:
+    """Majority nearest palette entry (not `bg`) over the pixels of mask `fg`."""
     pix = img[fg].astype(np.float32)
     names = [n for n in PALETTE if n != bg]
     d = np.stack([np.linalg.norm(pix - np.array(PALETTE[n]), axis=-1) for n in names])
@@ -157,14 +162,19 @@ def shape_class(img: np.ndarray) -> str:
     fg = foreground(img)
     if fg.sum() < 10:
         return "none"
-    ys, xs = np.nonzero(fg)
+    return fit_shape(fg)
+
+
+def fit_shape(mask: np.ndarray) -> str:
+    """Shape whose ideal mask, fitted to `mask`'s box, has the best IoU with it."""
+    ys, xs = np.nonzero(mask)
     x0, x1 = np.percentile(xs, [1, 99])  # trimmed box ignores stray pixels
     y0, y1 = np.percentile(ys, [1, 99])
     cx, cy, r = (x0 + x1 + 1) / 2, (y0 + y1 + 1) / 2, max(x1 - x0 + 1, y1 - y0 + 1) / 2
     iou = {}
     for s in SHAPES:
         m = shape_mask(s, cx, cy, r)
-        iou[s] = (m & fg).sum() / max((m | fg).sum(), 1)
+        iou[s] = (m & mask).sum() / max((m | mask).sum(), 1)
     return max(iou, key=iou.get)
 
 
