@@ -28,7 +28,7 @@ from .hotswap.aot import AotDenoiser, load_denoiser
 from .hotswap.batched import BatchRows
 from .hotswap.plan import assign_slots, plan_resident
 from .hotswap.slot import DevicePrefetch, LiveSlot
-from .hotswap.template import compile_denoiser, prepare_template
+from .hotswap.template import BATCH_DIM, compile_denoiser, prepare_template
 from .request_schema import Mix, check_request, shorten
 from .scheduler import Request, Scheduler
 from .specs import AdapterInfo, AdapterSpec, Catalog, Result
@@ -57,7 +57,10 @@ class LoraManager:
     `slots=K` lets one request combine up to K adapters, each at its own strength (K templates, swapped one by one).
     `max_batch=B` > 1 runs up to B queued requests in one pipeline call whatever their adapters: `device_slots`
     adapters (default max(K, B)) stay resident on the device and each row of the batch picks its own
-    (`hotswap/batched.py`). With `compile`, batches are padded to fixed sizes (1, 2, 4, ..., B), each compiled at start.
+    (`hotswap/batched.py`). With `compile`, one graph, dynamic in the batch dimension, serves every size 1..B; each
+    size runs once at start. `compile=None` decides by itself: on for CUDA, and on the CPU only where a C++ compiler
+    works and the catalog's folder holds a compile bundle that fits this engine (`hotswap/compile_cache.py`), since a
+    CPU compile from nothing takes a minute or more.
     `aot_package` (a `.pt2` from `python -m lora_manager aot-package`) runs the denoiser from an AOTInductor package
     bound to the template's own tensors instead: no compile at start, swaps as usual (`hotswap/aot.py`).
     """
@@ -66,7 +69,7 @@ class LoraManager:
         self,
         pipe,
         catalog: Catalog | None = None,
-        compile: bool = False,
+        compile: bool | None = False,
         target_rank: int | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         catalog_root: str | Path | None = None,
@@ -87,6 +90,10 @@ class LoraManager:
         if resident < slots or (not mixed and resident != slots):
             raise ValueError(f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
                              f"with max_batch > 1.")
+        no_compiler = compile_cache.missing_compiler(pipe.device) if compile is not False else None
+        if compile and no_compiler:
+            raise LoraManagerError(f"torch.compile on the CPU needs a C++ compiler (g++, or one named by CXX): "
+                                   f"{no_compiler}. Install one, or run eager (compile=False, app: --no-compile).")
         t0 = time.perf_counter()
         # seconds per start-up phase, in order (from_preset adds the pipeline load, the app its imports)
         self.startup_s: dict[str, float] = {}
@@ -117,10 +124,7 @@ class LoraManager:
         self._recompiles = 0
         self._warm = False
         self.max_batch = max_batch
-        # batch sizes a pipeline call may have: every size eagerly; compiled, powers of two and max_batch (padded)
-        self.batch_sizes = (sorted({*(2**i for i in range(max_batch.bit_length()) if 2**i < max_batch), max_batch})
-                            if compile else list(range(1, max_batch + 1)))
-        self._rows = BatchRows(self.batch_sizes, slots, pipe.device) if mixed else None
+        self._rows = BatchRows(max_batch, slots, pipe.device) if mixed else None
         self._prefetch = DevicePrefetch(pipe.device, resident) if mixed and pipe.device.type == "cuda" else None
 
         staged = {}
@@ -151,6 +155,12 @@ class LoraManager:
             self._run_batch, lambda: frozenset(filter(None, self._live)), max_queue=max_queue, max_batch=max_batch,
             capacity=resident,
         )
+        if compile is None:  # auto: compile on CUDA, and on a CPU that can where the preset ships artifacts that fit
+            why_not = ("aot_package given" if aot_package is not None else no_compiler
+                       or (self._bundle()[1] if pipe.device.type != "cuda" else None))
+            compile = why_not is None
+            if why_not:
+                log.info("not compiling: %s", why_not)
         self.compiled = compile
         self.compile_source = "eager"
         self._cache_counts = (0, 0)  # inductor FX graph cache (hits, misses) while this engine compiled
@@ -184,7 +194,8 @@ class LoraManager:
         device: str | None = None,
         **kwargs,
     ) -> LoraManager:
-        """Load a preset (or a catalog .json path): its base pipeline and adapters. Compile defaults to on for CUDA."""
+        """Load a preset (or a catalog .json path): its base pipeline and adapters. `compile=None` compiles on CUDA, and
+        on the CPU where the preset ships a compile bundle that fits this engine (see the class docstring)."""
         from diffusers import DiffusionPipeline
 
         t0 = time.perf_counter()
@@ -193,7 +204,6 @@ class LoraManager:
         dtype = getattr(torch, catalog.torch_dtype) if catalog.torch_dtype and device == "cuda" else torch.float32
         pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
-        compile = device == "cuda" if compile is None else compile
         loaded = time.perf_counter() - t0
         manager = cls(pipe, catalog, compile=compile, catalog_root=root, **kwargs)
         manager.startup_s = {"pipeline_load": loaded, **manager.startup_s}
@@ -311,13 +321,10 @@ class LoraManager:
         ]
 
     def _call(self, requests: list[Request]) -> tuple[list, float]:
-        """One pipeline call for `requests` (same params), padded up to the next batch size the engine runs; padded
-        rows use no adapter and are dropped. Counts graphs compiled during the call as recompiles."""
-        size = next(n for n in self.batch_sizes if n >= len(requests)) if self._rows is not None else len(requests)
-        prompts = [r.prompt for r in requests] + [requests[0].prompt] * (size - len(requests))
+        """One pipeline call for `requests` (same params). Counts graphs compiled during the call as recompiles."""
+        prompts = [r.prompt for r in requests]
         generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
-        generators += [torch.Generator("cpu").manual_seed(0) for _ in range(size - len(requests))]
-        single = size == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
+        single = len(requests) == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
         if self._prefetch is not None:
             self._stage_upcoming()
         graphs = counters["stats"]["unique_graphs"]
@@ -328,7 +335,7 @@ class LoraManager:
         generate_ms = (time.perf_counter() - t0) * 1e3
         if self._warm:
             self._recompiles += counters["stats"]["unique_graphs"] - graphs
-        return images[: len(requests)], generate_ms
+        return images, generate_ms
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -347,7 +354,6 @@ class LoraManager:
                 "slots": len(self.slots),
                 "device_slots": len(self.device_slots),
                 "max_batch": self.max_batch,
-                "batch_sizes": list(self.batch_sizes),
                 "batches": self.scheduler.stats.batches,
                 "template_modules": len(self.slots[0].modules),
                 "cache_entries": len(self.store.entries()),
@@ -442,8 +448,7 @@ class LoraManager:
         rows = [[(slot_of[a], s) for a, s in sorted(r.adapters)]
                 for r in requests if not refused.keys() & r.adapter_ids]
         if rows:
-            size = next(n for n in self.batch_sizes if n >= len(rows))
-            self._rows.write(rows + [[] for _ in range(size - len(rows))])
+            self._rows.write(rows)
         return ms, refused
 
     def _fit_ranks(self) -> None:
@@ -539,17 +544,27 @@ class LoraManager:
     @property
     def compile_key(self) -> compile_cache.BundleKey:
         """What this engine's compiled graphs depend on beyond the code: which compile bundle fits it."""
-        generation = {**self.generation_defaults, "batch_sizes": list(self.batch_sizes)}
+        generation = {**self.generation_defaults, "max_batch": self.max_batch}
         return compile_cache.bundle_key(self.pipe.device, self.dtype, self.target_rank, len(self.device_slots),
                                         len(self.slots[0].modules), generation)
 
+    def _bundle(self) -> tuple[Path | None, str | None]:
+        """The path of this engine's compile bundle in its catalog folder, and why it does not fit (None: it fits)."""
+        if self._root is None:
+            return None, "the catalog has no folder"
+        path = compile_cache.bundle_path(self._root, self.compile_key)
+        return path, compile_cache.misfit(path, self.compile_key)
+
     def _compile(self, compile_kwargs: dict[str, Any]) -> str:
         """Install the preset's compile bundle where one fits, then compile and warm up; says which it was."""
-        path = compile_cache.bundle_path(self._root, self.compile_key) if self._root else None
-        skipped = compile_cache.install(path, self.compile_key) if path else "the catalog has no folder"
+        path, skipped = self._bundle()
+        skipped = skipped or compile_cache.install(path, self.compile_key)
         before = compile_cache.cache_counts()
         compile_denoiser(self.components[self.denoiser_name], **compile_kwargs)
-        self._warm_up()
+        # batch sizes 1..B share one graph, dynamic in the batch dimension (unless the caller chose `dynamic`)
+        batch_dim = BATCH_DIM if self.max_batch > 1 and "dynamic" not in compile_kwargs else ""
+        with torch.compiler.config.patch(dynamic_sources=batch_dim):
+            self._warm_up()
         self._cache_counts = tuple(n - b for n, b in zip(compile_cache.cache_counts(), before))
         if skipped is None and self._cache_counts[1] == 0:
             return f"artifacts ({path.name}): no graph compiled"
@@ -558,10 +573,11 @@ class LoraManager:
         return f"compiled ({why})"
 
     def _warm_up(self) -> None:
-        """Compile now with one short generation per batch size, so no request pays for it (nor recompiles)."""
+        """Compile now with one short generation per batch size, so no request pays for it (nor recompiles): the
+        first compiles the graph; each other size checks that it fits (and on CUDA records its graphs)."""
         t0 = time.perf_counter()
         defaults = {k: v for k, v in self.generation_defaults.items() if k != "num_inference_steps"}
-        for size in self.batch_sizes if self._rows is not None else [1]:
+        for size in range(1, self.max_batch + 1):
             if self._rows is not None:
                 self._rows.write([[] for _ in range(size)])
             prompt = "warm-up" if size == 1 else ["warm-up"] * size

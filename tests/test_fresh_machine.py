@@ -11,6 +11,8 @@ import io
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -126,3 +128,19 @@ def test_readme_serve_command_answers_on_this_machine(tmp_path):
     assert r.status_code == 200, r.text[:500]
     image = Image.open(io.BytesIO(base64.b64decode(r.json()["image_png_base64"])))
     assert image.size == (64, 64) and r.json()["info"]["adapter"] == "frame"
+
+
+@pytest.mark.app
+def test_without_a_cpp_compiler_the_app_starts_eager_and_compile_says_why():
+    """A slim image without g++: the default start serves eagerly; `--compile` stops with one line saying why."""
+    from gradio_client import Client
+    from test_app_api import running_app
+
+    with running_app(CXX="/nonexistent/g++") as url:
+        _, info = Client(url, verbose=False).predict(PROMPT, "frame", 1.0, 0, 2, api_name="/generate")
+    assert info["compiled"] is False and info["adapter"] == "frame"
+    env = {**os.environ, "CXX": "/nonexistent/g++", "HF_HUB_OFFLINE": "1", "LORA_PRESET": "tiny"}
+    out = subprocess.run([sys.executable, str(ROOT / "app.py"), "--compile"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("app.py: torch.compile on the CPU needs a C++ compiler")

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from conftest import PROMPT, assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError
@@ -143,10 +144,12 @@ def test_scheduler_fairness_holds_with_mixed_batches():
 
 @pytest.mark.compile
 def test_compiled_mixed_batches_never_recompile(adapter_dir):
-    """Warm-up compiles each batch size once (1, 2, 4); after that no batch composition or size recompiles."""
+    """Warm-up compiles one graph, dynamic in the batch dimension, for every batch size 1..4; after that no batch
+    composition or size recompiles."""
+    graphs = counters["stats"]["unique_graphs"]
     # 8 device slots: four requests of two adapters each always fit in one batch
     m = LoraManager(load_tiny(), make_catalog(adapter_dir), compile=True, max_batch=4, slots=2, device_slots=8)
-    assert m.stats()["batch_sizes"] == [1, 2, 4]
+    assert counters["stats"]["unique_graphs"] - graphs == 1
     mixes = [[], [("r4_attn", 0.7)], [("r7_conv", 1.0)], [("r8_kohya", 1.2)], [("r6_te", 1.0)],
              [("r4_kohya_te", 0.6)], [("r16_half", 1.5)], [("r16_half", 0.7), ("r6_te", 1.0)],
              [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)]]

@@ -202,7 +202,7 @@ def prepare_gathered(unet: nn.Module, modules: set[str], rank: int, weights: lis
                      requests: int) -> BatchRows:
     """The engine's mixed-batch preparation on a bare denoiser (`prepare_template` with rows): one zero
     template per device slot, re-based onto stacks, each slot filled with one of `weights`; row i picks slot i % D."""
-    rows = BatchRows([requests], 1, S.device_of(unet))
+    rows = BatchRows(requests, 1, S.device_of(unet))
     slots, _ = prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, len(weights), rows)
     for slot, w in zip(slots, weights):
         slot.load(w, 1.0)
@@ -251,7 +251,7 @@ def measure_mixed_layers(wl: Workload, repeats: int) -> dict:
                 inject_adapter_in_model(config, model, adapter_name=name)
             model[0].set_adapter([names[0]], inference_mode=True)
             one = S.timed(lambda _: model(x), repeats, device).median_ms
-            rows = BatchRows([rows_n], 1, device)
+            rows = BatchRows(rows_n, 1, device)
             install({"m": model}, names, rows)
             rows.write([[(i % slots, 1.0)] for i in range(rows_n)])
             gathered = S.timed(lambda _: model(x), repeats, device).median_ms

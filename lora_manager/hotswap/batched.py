@@ -2,17 +2,18 @@
 
 The hotswap template's D adapters (`slot0`..`slotD-1`, the device slots) are re-based onto one stack per module:
 A [D, R, in(, kh, kw)], B transposed [D, R, out] and the scalings [D] (alpha / r of the adapter a slot holds). PEFT's
-own tensors for each slot become views of those stacks, so `LiveSlot` swaps keep writing in place, and PEFT's
-per-adapter branches are switched off: a forward hook on each template layer adds, for every row n of the input,
+own tensors for each slot become views of those stacks, so `LiveSlot` swaps keep writing in place, and each template
+layer's forward becomes the base layer plus, for every row n of the input (PEFT's per-adapter branches stay off),
 
     sum over picks p:  B[index[n, p]] @ A[index[n, p]] @ x[n] * scaling[index[n, p]] * strength[n, p]
 
-as one gather and two batched matmuls (for conv layers A is one grouped convolution over the rows), whatever D is.
+as one gather and two batched matmuls, whatever D is (for conv layers: A as one convolution over every slot, then a
+gather), in one custom operator.
 `index` and `strength` (`BatchRows`) are tensors the engine writes in place before each pipeline call; a request
-combining up to P adapters uses P picks, an unused pick has strength 0 and adds exactly 0. They hold one row per
-request (N); a layer that sees 2N rows (the denoiser under classifier-free guidance: diffusers concatenates
-[uncond rows; cond rows]) uses them twice, and the text encoder, called once on the prompts and once on the negative
-prompts, sees N rows each time.
+combining up to P adapters uses P picks, an unused pick has strength 0 and adds exactly 0. A layer that sees N rows
+(one per request: the text encoder, called once on the prompts and once on the negative prompts) and one that sees
+2N (the denoiser under classifier-free guidance: diffusers concatenates [uncond rows; cond rows]) read the same
+buffers, sliced by their input's row count.
 """
 
 from __future__ import annotations
@@ -24,41 +25,74 @@ from torch import nn
 
 
 class BatchRows:
-    """Per-row adapter picks for the next pipeline call. One set of buffers per batch size, written in place (never
-    Python values baked into a graph): `index` [N*P] (the device slot of each row's P picks), `strength` [N, P], and
-    the same for the 2N rows the denoiser sees under classifier-free guidance (`index2`, `strength2`), prepared here
-    once per call rather than in every layer."""
+    """Per-row adapter picks for the next pipeline call, in one pair of buffers written in place (never Python values
+    baked into a graph): `index` [2B*P] (the device slot of each row's P picks) and `strength` [2B, P], for batches of
+    up to B requests. `write` repeats the call's N rows to fill all 2B, so a layer that sees n rows reads the first n:
+    the N rows themselves (the text encoder, or a denoiser without guidance) or the N rows twice, which is exactly
+    the [uncond; cond] batch of classifier-free guidance. Every batch size reads the same buffers through a slice of
+    its own row count, so one compiled graph, dynamic in the batch dimension, serves them all."""
 
-    def __init__(self, sizes: list[int], picks: int, device: torch.device):
+    def __init__(self, max_rows: int, picks: int, device: torch.device):
         self.picks = picks
-
-        def buffers(n: int) -> tuple[torch.Tensor, ...]:
-            index = torch.zeros(n * picks, dtype=torch.long, device=device)
-            strength = torch.zeros(n, picks, device=device)
-            return index, strength, index.repeat(2), strength.repeat(2, 1)
-
-        self._buffers = {n: buffers(n) for n in sizes}
-        self.index, self.strength, self.index2, self.strength2 = self._buffers[min(sizes)]
+        self.index = torch.zeros(2 * max_rows * picks, dtype=torch.long, device=device)
+        self.strength = torch.zeros(2 * max_rows, picks, device=device)
 
     @torch.no_grad()
     def write(self, rows: list[list[tuple[int, float]]]) -> None:
-        """Set every row's (device slot, strength) picks; `len(rows)` must be one of `sizes`. Unused picks get
-        strength 0 (slot 0), which adds exactly nothing."""
-        index, strength, index2, strength2 = self._buffers[len(rows)]
-        flat_index, flat_strength = [0] * index.numel(), [0.0] * strength.numel()
-        for n, picks in enumerate(rows):
-            for p, (slot, s) in enumerate(picks):
+        """Set every row's (device slot, strength) picks, at most B rows. Unused picks get strength 0 (slot 0), which
+        adds exactly nothing."""
+        total = self.strength.shape[0]
+        if not 0 < len(rows) <= total // 2:
+            raise ValueError(f"a batch has 1 to {total // 2} rows, not {len(rows)}")
+        flat_index, flat_strength = [0] * self.index.numel(), [0.0] * self.strength.numel()
+        for n in range(total):
+            for p, (slot, s) in enumerate(rows[n % len(rows)]):
                 flat_index[n * self.picks + p], flat_strength[n * self.picks + p] = slot, s
-        new_index = torch.tensor(flat_index)
-        new_strength = torch.tensor(flat_strength).view(strength.shape)
-        for dst, src in ((index, new_index), (strength, new_strength), (index2, new_index.repeat(2)),
-                         (strength2, new_strength.repeat(2, 1))):
-            dst.copy_(src, non_blocking=True)
-        self.index, self.strength, self.index2, self.strength2 = index, strength, index2, strength2
+        self.index.copy_(torch.tensor(flat_index), non_blocking=True)
+        self.strength.copy_(torch.tensor(flat_strength).view(self.strength.shape), non_blocking=True)
+
+    def picks_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The picks of a layer input with `n` rows: index [n*P], strength [n, P]."""
+        return self.index[: n * self.picks], self.strength[:n]
+
+
+@torch.library.custom_op("lora_manager::gathered_lora", mutates_args=())
+def gathered_lora(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, scaling: torch.Tensor, index: torch.Tensor,
+                  strength: torch.Tensor, rank: int, stride: list[int], padding: list[int]) -> torch.Tensor:
+    """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), over the
+    first `rank` columns of the stacks. One operator to torch.compile: dynamo traces one node per layer instead of
+    every step below, which keeps the compile of a denoiser with a hundred LoRA layers short."""
+    n, picks = x.shape[0], strength.shape[1]
+    index, strength = index[: n * picks], strength[:n]
+    weight = strength * scaling.index_select(0, index).view(n, picks)  # [n, P]
+    Bt = Bt[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, out]
+    if A.dim() == 5:  # [D, R, in, kh, kw]: a Conv2d layer
+        # A of every device slot as one convolution (D*R output channels; nothing depends on the row count), then
+        # each row's picks gathered; B (1x1) as a batched matmul
+        h = F.conv2d(x, A[:, :rank].flatten(0, 1), None, stride, padding)  # [n, D*R, H', W']
+        size = h.shape[-2:]
+        h = h.view(n, A.shape[0], -1)  # [n, D, R*H'W']
+        h = h.gather(1, index.view(n, picks, 1).expand(n, picks, h.shape[-1]))  # [n, P, R*H'W']
+        h = (h.view(n, picks, rank, -1) * weight[:, :, None, None]).view(n, picks * rank, -1)  # [n, P*R, H'W']
+        return torch.bmm(Bt.transpose(1, 2), h).view(n, -1, *size)
+    A = A[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, in]
+    h = torch.bmm(x.reshape(n, -1, x.shape[-1]), A.transpose(1, 2))  # [n, L, P*R]
+    h = (h.view(n, -1, picks, rank) * weight[:, None, :, None]).view(n, -1, picks * rank)
+    return torch.bmm(h, Bt).view(*x.shape[:-1], -1)
+
+
+@gathered_lora.register_fake
+def _(x, A, Bt, scaling, index, strength, rank, stride, padding):
+    """The output's shape for tracing, without tracing the steps (contiguous, as `gathered_lora` returns it)."""
+    if A.dim() == 5:
+        size = [(x.shape[i + 2] + 2 * padding[i] - A.shape[3 + i]) // stride[i] + 1 for i in range(2)]
+        return x.new_empty((x.shape[0], Bt.shape[-1], *size), dtype=A.dtype)
+    return x.new_empty((*x.shape[:-1], Bt.shape[-1]), dtype=A.dtype)
 
 
 class GatheredLora:
-    """One template layer's stacked LoRA tensors and the per-row forward over them."""
+    """One template layer's stacked LoRA tensors and the layer's forward over them: the base layer plus every row's
+    LoRA (`gathered_lora`). It replaces PEFT's forward, whose per-adapter branches would add nothing."""
 
     def __init__(self, layer: LoraLayer, names: list[str], rows: BatchRows):
         with torch.no_grad():
@@ -72,50 +106,35 @@ class GatheredLora:
             layer.lora_B[n].weight.data = b.view(*b.shape, *[1] * (layer.lora_B[n].weight.dim() - 2))
             layer.scaling[n] = self.scaling[i]
         self.rows = rows
+        self.base_layer = layer.get_base_layer()
         # columns computed: the template rank, or (eager engines) the highest rank a resident adapter has in this
         # layer, since the columns above it are zero in every slot; 0 skips the layer
         self.rank = self.A.shape[1]
         conv = layer.lora_A[names[0]]
-        self.conv = isinstance(conv, nn.Conv2d)
-        self.stride, self.padding = (conv.stride, conv.padding) if self.conv else (None, None)
+        self.stride, self.padding = (list(conv.stride), list(conv.padding)) if isinstance(conv, nn.Conv2d) else ([], [])
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """The LoRA part of the layer's output, each row with its own picks."""
-        rows, n = self.rows, x.shape[0]
-        # N rows (text encoder, or no guidance) or 2N (the denoiser's [uncond; cond] rows)
-        index, strength = (rows.index, rows.strength) if n == rows.strength.shape[0] else (rows.index2, rows.strength2)
-        picks, rank = strength.shape[1], self.rank
-        weight = (strength * self.scaling.index_select(0, index).view(n, picks)).to(self.A.dtype)  # [n, P]
-        A = self.A[:, :rank].index_select(0, index)  # [n*P, R, in(, kh, kw)]
-        Bt = self.Bt[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, out]
-        x = x.to(self.A.dtype)
-        if self.conv:  # A per row as one grouped convolution over the rows, B (1x1) as a batched matmul
-            h = F.conv2d(x.reshape(1, -1, *x.shape[2:]), A.flatten(0, 1), None, self.stride, self.padding, groups=n)
-            size = h.shape[-2:]
-            h = (h.view(n, picks, rank, -1) * weight[:, :, None, None]).view(n, picks * rank, -1)  # [n, P*R, H'W']
-            return torch.bmm(Bt.transpose(1, 2), h).view(n, -1, *size)
-        h = torch.bmm(x.reshape(n, -1, x.shape[-1]), A.view(n, picks * rank, -1).transpose(1, 2))  # [n, L, P*R]
-        h = (h.view(n, -1, picks, rank) * weight[:, None, :, None]).view(n, -1, picks * rank)
-        return torch.bmm(h, Bt).view(*x.shape[:-1], -1)
-
-    def hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        output = self.base_layer(x, *args, **kwargs)
         if self.rank == 0:
             return output
-        return output + self.delta(args[0]).to(output.dtype)
+        rows = self.rows
+        delta = gathered_lora(x.to(self.A.dtype), self.A, self.Bt, self.scaling, rows.index, rows.strength, self.rank,
+                              self.stride, self.padding)
+        return output + delta.to(output.dtype)
 
 
 def install(
     components: dict[str, nn.Module], names: list[str], rows: BatchRows
 ) -> dict[tuple[str, str], GatheredLora]:
-    """Re-base every template layer onto stacks and switch PEFT's own branches off (before compile: hooks and
+    """Re-base every template layer onto stacks and give it the gathered forward (before compile: the forwards and
     stacks are then part of the compiled graphs). Returns the layers by (component, module)."""
     layers = {}
     for comp, model in components.items():
         for module_name, layer in model.named_modules():
             if isinstance(layer, LoraLayer) and names[0] in layer.lora_A:
                 gathered = GatheredLora(layer, names, rows)
-                layer.set_adapter([], inference_mode=True)  # PEFT adds nothing; the hook adds every row's LoRA
-                layer.register_forward_hook(gathered.hook)
+                layer.set_adapter([], inference_mode=True)  # PEFT's own branches: none active
+                layer.forward = gathered.forward
                 layers[(comp, module_name)] = gathered
     return layers
 

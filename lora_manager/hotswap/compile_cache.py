@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.cpp_builder import get_cpp_compiler
+from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 FOLDER = "compiled"  # inside a preset's folder
@@ -38,7 +40,7 @@ class BundleKey:
     target_rank: int
     slots: int
     template_modules: int
-    generation: str  # the preset's generation defaults: sizes and steps shape the warm-up graphs
+    generation: str  # the preset's generation defaults and max_batch: sizes and batch rows shape the graphs
 
     @property
     def slug(self) -> str:
@@ -63,15 +65,35 @@ def bundle_path(root: Path, key: BundleKey) -> Path:
     return root / FOLDER / f"{key.slug}.tar.gz"
 
 
-def install(path: Path, key: BundleKey) -> str | None:
-    """Copy the bundle's cache entries into this process's inductor cache; returns why it was skipped, or None."""
+def missing_compiler(device: torch.device) -> str | None:
+    """Why inductor cannot run on this CPU (no working C++ compiler), or None. A bundle does not spare the compiler:
+    inductor's CPU cache keys include a fingerprint of it."""
+    if device.type != "cpu":
+        return None
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as e:
+        return str(e)
+    return None
+
+
+def misfit(path: Path, key: BundleKey) -> str | None:
+    """Why the bundle at `path` cannot serve an engine with `key`, or None when it fits."""
     if not path.is_file():
         return f"no bundle for this machine and template ({path.name})"
     with tarfile.open(path) as tar:
         manifest = json.load(tar.extractfile(MANIFEST))
-        if manifest != asdict(key):
-            different = sorted(k for k, v in asdict(key).items() if manifest.get(k) != v)
-            return f"the bundle was built for another {', '.join(different)}"
+    if manifest != asdict(key):
+        different = sorted(k for k, v in asdict(key).items() if manifest.get(k) != v)
+        return f"the bundle was built for another {', '.join(different)}"
+    return None
+
+
+def install(path: Path, key: BundleKey) -> str | None:
+    """Copy the bundle's cache entries into this process's inductor cache; returns why it was skipped, or None."""
+    if (why := misfit(path, key)) is not None:
+        return why
+    with tarfile.open(path) as tar:
         target = Path(cache_dir())
         members = [m for m in tar.getmembers()
                    if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()]

@@ -19,6 +19,9 @@ from ..adapters.validate import lora_shapes
 from .batched import BatchRows, GatheredLora, install
 from .slot import LiveSlot
 
+# dynamo's names for the denoiser's call arguments, first dimension: marked dynamic at compile, so one graph serves
+# every batch size (sizes 0 and 1 still get their own)
+BATCH_DIM = r"L\['(args|kwargs)'\].*:0"
 SLOT = "slot0"  # the first (with one slot: the only) adapter name the model ever holds; every swap writes into one
 
 
