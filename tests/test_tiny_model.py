@@ -403,8 +403,7 @@ FLOORS = {
     ("outline", "wins"): 0.75, ("outline", "ordered"): 0.4,
     ("dots", "colour"): 0.6, ("dots", "shape"): 0.5,
     ("pixel", "shape"): 0.45,
-    ("checker", "wins"): 0.8, ("checker", "ordered"): 0.4, ("checker", "background"): 0.75,
-    ("checker", "colour"): 0.7, ("checker", "shape"): 0.15,
+    ("checker", "ordered"): 0.5, ("checker", "shape"): 0.65,
     ("frame", "colour"): 0.6, ("frame", "shape"): 0.4,
 }
 

@@ -51,10 +51,6 @@ class BatchRows:
         self.index.copy_(torch.tensor(flat_index), non_blocking=True)
         self.strength.copy_(torch.tensor(flat_strength).view(self.strength.shape), non_blocking=True)
 
-    def picks_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The picks of a layer input with `n` rows: index [n*P], strength [n, P]."""
-        return self.index[: n * self.picks], self.strength[:n]
-
 
 @torch.library.custom_op("lora_manager::gathered_lora", mutates_args=())
 def gathered_lora(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, scaling: torch.Tensor, index: torch.Tensor,
