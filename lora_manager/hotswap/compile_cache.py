@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
-from torch._inductor.cpp_builder import get_cpp_compiler
+from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -35,6 +35,7 @@ class BundleKey:
     torch: str
     device: str  # "cpu" or the CUDA device name
     capability: str  # CPU vector ISA (torch's dispatch level) or CUDA compute capability
+    toolchain: str  # the C++ compiler's version (CPU kernels are C++; inductor keys them by it) or the CUDA version
     machine: str
     dtype: str
     target_rank: int
@@ -52,10 +53,12 @@ def bundle_key(device: torch.device, dtype: torch.dtype, target_rank: int, slots
                generation: dict) -> BundleKey:
     if device.type == "cuda":
         name, capability = torch.cuda.get_device_name(device), ".".join(map(str, torch.cuda.get_device_capability()))
+        toolchain = f"cuda {torch.version.cuda}"
     else:
         name, capability = "cpu", torch.backends.cpu.get_cpu_capability()
+        toolchain = "" if missing_compiler(device) else get_compiler_version_info(get_cpp_compiler())
     return BundleKey(
-        torch=torch.__version__, device=name, capability=capability, machine=platform.machine(),
+        torch=torch.__version__, device=name, capability=capability, toolchain=toolchain, machine=platform.machine(),
         dtype=str(dtype).removeprefix("torch."), target_rank=target_rank, slots=slots,
         template_modules=template_modules, generation=json.dumps(generation, sort_keys=True),
     )
