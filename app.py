@@ -4,9 +4,8 @@
                   [--slots K] [--max-batch B] [--aot-package FILE] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860]
                   [--share]
 
-Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA, and on the CPU where the preset ships a compile
-bundle that fits), LORA_SLOTS, LORA_MAX_BATCH, GRADIO_SERVER_NAME, GRADIO_SERVER_PORT. The UI and the API share one
-function per action: `/generate` (prompt, adapter, strength, seed, steps) -> (image, info), where adapter is '' (none),
+Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, LORA_MAX_BATCH,
+GRADIO_SERVER_NAME, GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt, adapter, strength, seed, steps) -> (image, info), where adapter is '' (none),
 an id, or a list of ids or [id, strength] pairs (up to K), and `/add_adapter` (repo_id, weight_name) -> status. All logic
 lives in lora_manager; this file only wires it.
 """
@@ -427,8 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default=os.environ.get("LORA_PRESET", "tiny"),
                    help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_env_bool("LORA_COMPILE"),
-                   help="torch.compile the denoiser (env LORA_COMPILE; default: on for CUDA, on for the CPU where the "
-                        "preset ships a compile bundle for this machine kind, never on ZeroGPU)")
+                   help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)")
     p.add_argument("--aot-package", default=os.environ.get("LORA_AOT_PACKAGE") or None,
                    help="run the denoiser from this AOTInductor package (`python -m lora_manager aot-package`) "
                         "instead of compiling; needs --max-batch 1 --slots 1 (env LORA_AOT_PACKAGE)")

@@ -58,9 +58,9 @@ class LoraManager:
     `max_batch=B` > 1 runs up to B queued requests in one pipeline call whatever their adapters: `device_slots`
     adapters (default max(K, B)) stay resident on the device and each row of the batch picks its own
     (`hotswap/batched.py`). With `compile`, one graph, dynamic in the batch dimension, serves every size 1..B; each
-    size runs once at start. `compile=None` decides by itself: on for CUDA, and on the CPU only where a C++ compiler
-    works and the catalog's folder holds a compile bundle that fits this engine (`hotswap/compile_cache.py`), since a
-    CPU compile from nothing takes a minute or more.
+    size runs once at start. `compile=None` compiles on CUDA only: on the CPU even a fitting compile bundle
+    (`hotswap/compile_cache.py`) leaves inductor's C++ kernels to rebuild wherever torch is installed at another path
+    (their cache keys hold the compiler's include paths), which makes a compiled start several times an eager one.
     `aot_package` (a `.pt2` from `python -m lora_manager aot-package`) runs the denoiser from an AOTInductor package
     bound to the template's own tensors instead: no compile at start, swaps as usual (`hotswap/aot.py`).
     """
@@ -90,8 +90,8 @@ class LoraManager:
         if resident < slots or (not mixed and resident != slots):
             raise ValueError(f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
                              f"with max_batch > 1.")
-        no_compiler = compile_cache.missing_compiler(pipe.device) if compile is not False else None
-        if compile and no_compiler:
+        no_compiler = compile_cache.missing_compiler(pipe.device) if compile else None
+        if no_compiler:
             raise LoraManagerError(f"torch.compile on the CPU needs a C++ compiler (g++, or one named by CXX): "
                                    f"{no_compiler}. Install one, or run eager (compile=False, app: --no-compile).")
         t0 = time.perf_counter()
@@ -155,12 +155,8 @@ class LoraManager:
             self._run_batch, lambda: frozenset(filter(None, self._live)), max_queue=max_queue, max_batch=max_batch,
             capacity=resident,
         )
-        if compile is None:  # auto: compile on CUDA, and on a CPU that can where the preset ships artifacts that fit
-            why_not = ("aot_package given" if aot_package is not None else no_compiler
-                       or (self._bundle()[1] if pipe.device.type != "cuda" else None))
-            compile = why_not is None
-            if why_not:
-                log.info("not compiling: %s", why_not)
+        if compile is None:  # auto: compile on CUDA (see the class docstring for why not on the CPU)
+            compile = aot_package is None and pipe.device.type == "cuda"
         self.compiled = compile
         self.compile_source = "eager"
         self._cache_counts = (0, 0)  # inductor FX graph cache (hits, misses) while this engine compiled
@@ -194,8 +190,8 @@ class LoraManager:
         device: str | None = None,
         **kwargs,
     ) -> LoraManager:
-        """Load a preset (or a catalog .json path): its base pipeline and adapters. `compile=None` compiles on CUDA, and
-        on the CPU where the preset ships a compile bundle that fits this engine (see the class docstring)."""
+        """Load a preset (or a catalog .json path): its base pipeline and adapters. `compile=None` compiles on CUDA only
+        (see the class docstring)."""
         from diffusers import DiffusionPipeline
 
         t0 = time.perf_counter()

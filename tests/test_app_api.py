@@ -106,11 +106,11 @@ def test_generate_per_adapter(client):
         assert info["seed"] == seed % 2 and info["num_inference_steps"] == 6 and info["prompt"] == PROMPT
         assert info["swap_ms"] >= 0 and info["generate_ms"] > 0
         assert info["recompiles"] == 0
-        # the CPU app compiles by default where the preset's compile bundle fits this machine, from the bundle
+        # eager on the CPU by default; a compiled start lists its compile phase
         compiled = ["compile_and_warm_up"] if info["compiled"] else []
         assert list(info["startup_s"]) == ["imports", "pipeline_load", "adapter_reads", "template", *compiled,
                                            "ui_launch"]
-        assert info["compile_source"].startswith("artifacts" if compiled else "eager")
+        assert info["compile_source"] == "eager" or compiled
         assert adapter == "" or adapter in info["cpu_cache"]["adapters"]
     assert len(set(digests.values())) == len(ids), f"images not pairwise different: {digests}"
 

@@ -20,7 +20,7 @@ TINY = ROOT / "lora_manager" / "presets" / "tiny"
 SERVE = """
 import json, sys, numpy as np
 from lora_manager import LoraManager
-m = LoraManager.from_preset(sys.argv[1], compile={"1": True, "0": False}.get(sys.argv[2]), slots=2)  # else auto
+m = LoraManager.from_preset(sys.argv[1], compile=sys.argv[2] == "1", slots=2)
 images = [np.asarray(m.generate(PROMPT, adapter=a, seed=3, steps=3).image).tolist() for a in (None, "frame", "pixel")]
 print(json.dumps({"stats": m.stats(), "images": images}))
 """.replace("PROMPT", repr(PROMPT))
@@ -51,10 +51,9 @@ def test_a_bundle_starts_a_fresh_process_compiled_without_compiling(tmp_path):
     built = json.loads(run("-m", "lora_manager", "compile-cache", "--preset", catalog, "--slots", "2",
                            "--max-batch", "1", cache=str(tmp_path / "unused")))
     assert (tmp_path / "compiled").is_dir() and built["bundle"].startswith(str(tmp_path / "compiled"))
-    # compile=None (the default, auto) compiles on the CPU because a bundle fits
-    fresh = json.loads(run("-c", SERVE, catalog, "auto", cache=str(tmp_path / "empty-cache")).splitlines()[-1])
+    fresh = json.loads(run("-c", SERVE, catalog, "1", cache=str(tmp_path / "empty-cache")).splitlines()[-1])
     stats = fresh["stats"]
-    assert stats["compiled"] and stats["compile_source"].startswith("artifacts"), stats["compile_source"]
+    assert stats["compile_source"].startswith("artifacts"), stats["compile_source"]
     assert stats["recompiles"] == 0 and stats["compile_cache_misses"] == 0 and stats["compile_cache_hits"] > 0
     eager = json.loads(run("-c", SERVE, catalog, "0", cache=str(tmp_path / "eager-cache")).splitlines()[-1])
     for a, b in zip(fresh["images"], eager["images"]):
@@ -64,37 +63,24 @@ def test_a_bundle_starts_a_fresh_process_compiled_without_compiling(tmp_path):
 def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
     key = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 32, 2, 100, {"height": 64})
     assert "version" in key.toolchain  # the compiler's own version text: another gcc builds other kernels
-    other = compile_cache.BundleKey(**{**key.__dict__, "torch": "0.0.1", "capability": "AVX9", "toolchain": "cc 1"})
+    assert key.threads == torch.get_num_threads()  # inductor's graph keys hold the kernels' thread count
+    other = compile_cache.BundleKey(**{**key.__dict__, "torch": "0.0.1", "capability": "AVX9", "toolchain": "cc 1",
+                                       "threads": key.threads + 1})
     (tmp_path / "empty").mkdir()
     path = compile_cache.build(tmp_path / "b.tar.gz", other, tmp_path / "empty")
-    assert compile_cache.install(path, key) == "the bundle was built for another capability, toolchain, torch"
+    assert compile_cache.install(path, key) == "the bundle was built for another capability, threads, toolchain, torch"
     assert "no bundle" in compile_cache.install(tmp_path / "missing.tar.gz", key)
     with tarfile.open(path) as tar:
         assert tar.getnames() == [compile_cache.MANIFEST]
 
 
-def test_auto_compile_stays_eager_on_the_cpu_without_a_fitting_bundle(tmp_path):
-    """compile=None on the CPU: eager where the catalog's folder has no bundle, or one built for another engine."""
-    from lora_manager import LoraManager
-
-    catalog = catalog_outside_the_repo(tmp_path)
-    with LoraManager.from_preset(catalog, device="cpu", slots=2, max_batch=1) as m:
-        assert not m.compiled and m.stats()["compile_source"] == "eager"
-        other = compile_cache.BundleKey(**{**m.compile_key.__dict__, "slots": 7})
-    (tmp_path / "empty").mkdir()
-    compile_cache.build(compile_cache.bundle_path(tmp_path, m.compile_key), other, tmp_path / "empty")
-    with LoraManager.from_preset(catalog, device="cpu", slots=2, max_batch=1) as m:
-        assert not m.compiled
-
-
-def test_without_a_cpp_compiler_auto_stays_eager_and_compile_true_says_why():
+def test_auto_is_eager_on_the_cpu_and_compile_without_a_cpp_compiler_says_why():
     """Inductor on the CPU needs a C++ compiler even for a bundle's cache hits (its keys fingerprint the compiler)."""
     from lora_manager import LoraManager
     from lora_manager.errors import LoraManagerError
 
+    with LoraManager.from_preset("tiny", device="cpu", slots=2, max_batch=4) as m:  # compile=None, the app's engine
+        assert not m.compiled and m.stats()["compile_source"] == "eager"
     with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
-        # the app's engine: the shipped bundle fits where it was built, yet nothing can compile without g++
-        with LoraManager.from_preset("tiny", device="cpu", slots=2, max_batch=4) as m:
-            assert not m.compiled and m.generate(PROMPT, "frame", steps=2).info["compiled"] is False
         with pytest.raises(LoraManagerError, match=r"torch.compile on the CPU needs a C\+\+ compiler"):
             LoraManager.from_preset("tiny", compile=True, device="cpu")

@@ -132,7 +132,8 @@ def test_readme_serve_command_answers_on_this_machine(tmp_path):
 
 @pytest.mark.app
 def test_without_a_cpp_compiler_the_app_starts_eager_and_compile_says_why():
-    """A slim image without g++: the default start serves eagerly; `--compile` stops with one line saying why."""
+    """A slim image without g++: the app starts and serves (eager, the CPU default); `--compile` stops with one
+    line saying why instead of a traceback."""
     from gradio_client import Client
     from test_app_api import running_app
 

@@ -1,5 +1,7 @@
 """Compile artifacts that travel: torch's inductor cache, bundled once per preset and machine kind, so a machine that
-has never compiled (a restarted Space, a new laptop) starts a compiled engine in seconds.
+has never compiled (a restarted Space, a new laptop) starts a compiled engine without compiling its graphs. On the
+CPU inductor still rebuilds its C++ kernels where torch is installed at another path than where the bundle was built
+(their cache keys hold the compiler command line, include paths and all).
 
 A bundle is a tar.gz of the inductor cache directory right after one compile and warm-up of the preset's engine
 (FX graph and AOTAutograd cache entries, the compiled C++ or Triton kernels), plus `bundle.json` with the key it was
@@ -23,6 +25,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch._inductor.utils import parallel_num_threads
 
 FOLDER = "compiled"  # inside a preset's folder
 MANIFEST = "bundle.json"
@@ -36,6 +39,7 @@ class BundleKey:
     device: str  # "cpu" or the CUDA device name
     capability: str  # CPU vector ISA (torch's dispatch level) or CUDA compute capability
     toolchain: str  # the C++ compiler's version (CPU kernels are C++; inductor keys them by it) or the CUDA version
+    threads: int  # the CPU kernels' thread count (inductor keys its graphs by it: OMP_NUM_THREADS=1 is another key)
     machine: str
     dtype: str
     target_rank: int
@@ -58,7 +62,8 @@ def bundle_key(device: torch.device, dtype: torch.dtype, target_rank: int, slots
         name, capability = "cpu", torch.backends.cpu.get_cpu_capability()
         toolchain = "" if missing_compiler(device) else get_compiler_version_info(get_cpp_compiler())
     return BundleKey(
-        torch=torch.__version__, device=name, capability=capability, toolchain=toolchain, machine=platform.machine(),
+        torch=torch.__version__, device=name, capability=capability, toolchain=toolchain,
+        threads=parallel_num_threads(), machine=platform.machine(),
         dtype=str(dtype).removeprefix("torch."), target_rank=target_rank, slots=slots,
         template_modules=template_modules, generation=json.dumps(generation, sort_keys=True),
     )
