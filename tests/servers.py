@@ -35,7 +35,7 @@ def running_serve(args: list[str], port: int, log: Path) -> Iterator[str]:
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ray's driver shuts its local instance down on SIGINT
         try:
-            proc.wait(60)
+            proc.wait(20)  # on this 2-core machine it had not exited after 60 s either: the group is killed next
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
