@@ -90,6 +90,8 @@ class LoraManager:
         if resident < slots or (not mixed and resident != slots):
             raise ValueError(f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
                              f"with max_batch > 1.")
+        if compile is None:  # auto: compile on CUDA (see the class docstring for why not on the CPU)
+            compile = aot_package is None and pipe.device.type == "cuda"
         no_compiler = compile_cache.missing_compiler(pipe.device) if compile else None
         if no_compiler:
             raise LoraManagerError(f"torch.compile on the CPU needs a C++ compiler (g++, or one named by CXX): "
@@ -155,8 +157,6 @@ class LoraManager:
             self._run_batch, lambda: frozenset(filter(None, self._live)), max_queue=max_queue, max_batch=max_batch,
             capacity=resident,
         )
-        if compile is None:  # auto: compile on CUDA (see the class docstring for why not on the CPU)
-            compile = aot_package is None and pipe.device.type == "cuda"
         self.compiled = compile
         self.compile_source = "eager"
         self._cache_counts = (0, 0)  # inductor FX graph cache (hits, misses) while this engine compiled
@@ -544,17 +544,11 @@ class LoraManager:
         return compile_cache.bundle_key(self.pipe.device, self.dtype, self.target_rank, len(self.device_slots),
                                         len(self.slots[0].modules), generation)
 
-    def _bundle(self) -> tuple[Path | None, str | None]:
-        """The path of this engine's compile bundle in its catalog folder, and why it does not fit (None: it fits)."""
-        if self._root is None:
-            return None, "the catalog has no folder"
-        path = compile_cache.bundle_path(self._root, self.compile_key)
-        return path, compile_cache.misfit(path, self.compile_key)
-
     def _compile(self, compile_kwargs: dict[str, Any]) -> str:
         """Install the preset's compile bundle where one fits, then compile and warm up; says which it was."""
-        path, skipped = self._bundle()
-        skipped = skipped or compile_cache.install(path, self.compile_key)
+        key = self.compile_key  # once: on the CPU it asks the C++ compiler for its version
+        path = compile_cache.bundle_path(self._root, key) if self._root else None
+        skipped = compile_cache.install(path, key) if path else "the catalog has no folder"
         before = compile_cache.cache_counts()
         compile_denoiser(self.components[self.denoiser_name], **compile_kwargs)
         # batch sizes 1..B share one graph, dynamic in the batch dimension (unless the caller chose `dynamic`)

@@ -60,7 +60,10 @@ def bundle_key(device: torch.device, dtype: torch.dtype, target_rank: int, slots
         toolchain = f"cuda {torch.version.cuda}"
     else:
         name, capability = "cpu", torch.backends.cpu.get_cpu_capability()
-        toolchain = "" if missing_compiler(device) else get_compiler_version_info(get_cpp_compiler())
+        try:
+            toolchain = get_compiler_version_info(get_cpp_compiler())
+        except InvalidCxxCompiler:
+            toolchain = ""
     return BundleKey(
         torch=torch.__version__, device=name, capability=capability, toolchain=toolchain,
         threads=parallel_num_threads(), machine=platform.machine(),
@@ -85,23 +88,15 @@ def missing_compiler(device: torch.device) -> str | None:
     return None
 
 
-def misfit(path: Path, key: BundleKey) -> str | None:
-    """Why the bundle at `path` cannot serve an engine with `key`, or None when it fits."""
+def install(path: Path, key: BundleKey) -> str | None:
+    """Copy the bundle's cache entries into this process's inductor cache; returns why it was skipped, or None."""
     if not path.is_file():
         return f"no bundle for this machine and template ({path.name})"
     with tarfile.open(path) as tar:
         manifest = json.load(tar.extractfile(MANIFEST))
-    if manifest != asdict(key):
-        different = sorted(k for k, v in asdict(key).items() if manifest.get(k) != v)
-        return f"the bundle was built for another {', '.join(different)}"
-    return None
-
-
-def install(path: Path, key: BundleKey) -> str | None:
-    """Copy the bundle's cache entries into this process's inductor cache; returns why it was skipped, or None."""
-    if (why := misfit(path, key)) is not None:
-        return why
-    with tarfile.open(path) as tar:
+        if manifest != asdict(key):
+            different = sorted(k for k, v in asdict(key).items() if manifest.get(k) != v)
+            return f"the bundle was built for another {', '.join(different)}"
         target = Path(cache_dir())
         members = [m for m in tar.getmembers()
                    if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()]
