@@ -18,11 +18,19 @@ PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline
 def cmd_generate(args: argparse.Namespace) -> None:
     from .engine import LoraManager
 
+    import statistics
+
     mix = [_adapter_arg(a, args.strength) for a in args.adapter]
-    m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank, slots=max(1, len(mix)))
-    result = m.generate(args.prompt, adapter=mix, strength=args.strength, seed=args.seed, steps=args.steps)
+    m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank,
+                                slots=max(args.slots, len(mix)), max_batch=args.max_batch)
+    times = []
+    for _ in range(args.repeat):  # the same request again: its generate_ms, a latency sample without the start
+        result = m.generate(args.prompt, adapter=mix, strength=args.strength, seed=args.seed, steps=args.steps)
+        times.append(result.info["generate_ms"])
     result.image.save(args.out)
-    print(json.dumps({**result.info, "out": str(args.out)}, indent=2))
+    timing = {"generate_ms_median": statistics.median(times), "generate_ms_min": min(times)} if args.repeat > 1 else {}
+    print(json.dumps({**result.info, **timing, "compile_source": m.compile_source, "startup_s": m.startup_s,
+                      "out": str(args.out)}, indent=2))
 
 
 def _adapter_arg(text: str, strength: float) -> tuple[str, float]:
@@ -57,13 +65,17 @@ def cmd_compile_cache(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as fresh:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh  # read by inductor whenever it resolves its cache
-        m = LoraManager.from_preset(args.preset, compile=True, slots=args.slots, max_batch=args.max_batch)
+        m = LoraManager.from_preset(args.preset, compile=True, slots=args.slots, max_batch=args.max_batch,
+                                    compile_kwargs={"options": compile_cache.OPTIONS})
         if m.catalog_root is None:
             raise SystemExit(f"compile-cache: preset {args.preset!r} has no folder to keep a bundle in")
-        path = compile_cache.build(compile_cache.bundle_path(m.catalog_root, m.compile_key), m.compile_key,
-                                   Path(fresh))
+        if m.stats()["compile_cache_hits"]:
+            raise SystemExit(f"compile-cache: {m.compile_source}; delete that bundle to build it again")
+        path, kernels, portable = compile_cache.build(compile_cache.bundle_path(m.catalog_root, m.compile_key),
+                                                      m.compile_key, Path(fresh))
     print(json.dumps({"bundle": str(path), "mb": round(path.stat().st_size / 2**20, 1),
-                      "compile_s": round(m.compile_s, 1), "key": m.compile_key.slug}, indent=2))
+                      "compile_s": round(m.compile_s, 1), "key": m.compile_key.slug,
+                      "cpp_kernels": kernels, "cpp_kernels_portable": portable}, indent=2))
 
 
 def cmd_aot_package(args: argparse.Namespace) -> None:
@@ -121,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--steps", type=int, default=None)
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     gen.add_argument("--target-rank", type=int, default=None)
+    gen.add_argument("--slots", type=int, default=1, help="hotswap slots (at least one per --adapter; the app: 2)")
+    gen.add_argument("--max-batch", type=int, default=1, help="requests one pipeline call may hold (the app: 4)")
+    gen.add_argument("--repeat", type=int, default=1, help="generate N times and report the median and min generate_ms")
     gen.add_argument("--out", type=Path, default=Path("out.png"))
     gen.set_defaults(func=cmd_generate)
 

@@ -46,6 +46,15 @@ def test_generate_writes_a_png_with_reproducible_info(tmp_path):
     info = json.loads(out.stdout)
     assert info["adapter"] is None and info["num_inference_steps"] == 4 and info["seed"] == 0
     assert Image.open(png).size == (info["width"], info["height"])
+    assert "generate_ms_median" not in info and info["compile_source"] == "eager"
+
+
+def test_generate_repeats_on_the_apps_engine_and_reports_its_latency(tmp_path):
+    out = run("generate", "--prompt", "a red circle", "--steps", "2", "--out", str(tmp_path / "r.png"),
+              "--adapter", "stripes", "--slots", "2", "--max-batch", "4", "--repeat", "3", "--no-compile")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert 0 < info["generate_ms_min"] <= info["generate_ms_median"] and "template" in info["startup_s"]
 
 
 def test_generate_combines_adapters_given_twice(tmp_path):

@@ -3,11 +3,15 @@ without compiling, and a bundle that does not fit costs a normal compile, never 
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +42,23 @@ def catalog_outside_the_repo(tmp_path) -> str:
     return str(path)
 
 
+def as_if_built_elsewhere(bundle: Path) -> int:
+    """Give every C++ kernel in the bundle another name, as inductor names the same source where torch is installed at
+    another path (the name hashes the compiler command line, include paths and all); returns how many it renamed."""
+    with tarfile.open(bundle) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+    renamed = 0
+    with tarfile.open(bundle, "w:gz") as tar:
+        for member, data in members:
+            key, dot, suffix = member.name.rpartition("/")[2].partition(".")
+            if suffix in ("main.cpp", "main.so"):
+                digest = hashlib.sha256(f"elsewhere {key}".encode()).digest()
+                other = "c" + base64.b32encode(digest).decode().lower()[:51]
+                member.name, renamed = f"{other[1:3]}/{other}{dot}{suffix}", renamed + 1
+            tar.addfile(member, io.BytesIO(data) if data is not None else None)
+    return renamed
+
+
 def run(*args: str, cache: str, timeout: int = 900) -> str:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -51,10 +72,13 @@ def test_a_bundle_starts_a_fresh_process_compiled_without_compiling(tmp_path):
     built = json.loads(run("-m", "lora_manager", "compile-cache", "--preset", catalog, "--slots", "2",
                            "--max-batch", "1", cache=str(tmp_path / "unused")))
     assert (tmp_path / "compiled").is_dir() and built["bundle"].startswith(str(tmp_path / "compiled"))
+    assert built["cpp_kernels"] > 0 and built["cpp_kernels_portable"] == built["cpp_kernels"]
+    assert as_if_built_elsewhere(Path(built["bundle"])) == 2 * built["cpp_kernels"]
     fresh = json.loads(run("-c", SERVE, catalog, "1", cache=str(tmp_path / "empty-cache")).splitlines()[-1])
     stats = fresh["stats"]
-    assert stats["compile_source"].startswith("artifacts"), stats["compile_source"]
+    assert stats["compile_source"].endswith(": no graph compiled"), stats["compile_source"]
     assert stats["recompiles"] == 0 and stats["compile_cache_misses"] == 0 and stats["compile_cache_hits"] > 0
+    assert stats["compile_built_kernels"] == 0  # each kernel was filed under this process's name for its source
     eager = json.loads(run("-c", SERVE, catalog, "0", cache=str(tmp_path / "eager-cache")).splitlines()[-1])
     for a, b in zip(fresh["images"], eager["images"]):
         assert np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max() <= 1
@@ -67,7 +91,8 @@ def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
     other = compile_cache.BundleKey(**{**key.__dict__, "torch": "0.0.1", "capability": "AVX9", "toolchain": "cc 1",
                                        "threads": key.threads + 1})
     (tmp_path / "empty").mkdir()
-    path = compile_cache.build(tmp_path / "b.tar.gz", other, tmp_path / "empty")
+    path, kernels, _ = compile_cache.build(tmp_path / "b.tar.gz", other, tmp_path / "empty")
+    assert kernels == 0
     assert compile_cache.install(path, key) == "the bundle was built for another capability, threads, toolchain, torch"
     assert "no bundle" in compile_cache.install(tmp_path / "missing.tar.gz", key)
     with tarfile.open(path) as tar:
@@ -84,3 +109,24 @@ def test_auto_is_eager_on_the_cpu_and_compile_without_a_cpp_compiler_says_why():
     with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
         with pytest.raises(LoraManagerError, match=r"torch.compile on the CPU needs a C\+\+ compiler"):
             LoraManager.from_preset("tiny", compile=True, device="cpu")
+
+
+@pytest.mark.compile
+def test_the_shipped_bundle_starts_the_apps_engine_without_compiling_anything(tmp_path):
+    """The tiny preset's bundle was built in another virtual environment than the one running this test (the CI builds
+    its own): every graph and every C++ kernel must come from it, under the names this environment gives them."""
+    [bundle] = (TINY / compile_cache.FOLDER).glob("*.tar.gz")
+    with tarfile.open(bundle) as tar:
+        built_for = json.load(tar.extractfile(compile_cache.MANIFEST))
+    here = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 0, 0, 0, {})
+    other = [k for k in ("torch", "capability", "toolchain", "machine") if getattr(here, k) != built_for[k]]
+    if other:
+        pytest.skip(f"the shipped bundle was built for another {', '.join(other)}")
+    code = ("import json; from lora_manager import LoraManager; "
+            "print(json.dumps(LoraManager.from_preset('tiny', compile=True, slots=2, max_batch=4).stats()))")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": str(built_for["threads"])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stats = json.loads(out.stdout.splitlines()[-1])
+    assert stats["compile_source"] == f"artifacts ({bundle.name}): no graph compiled", stats["compile_source"]
+    assert stats["compile_cache_misses"] == 0 and stats["compile_built_kernels"] == 0

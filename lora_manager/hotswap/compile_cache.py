@@ -1,19 +1,23 @@
 """Compile artifacts that travel: torch's inductor cache, bundled once per preset and machine kind, so a machine that
-has never compiled (a restarted Space, a new laptop) starts a compiled engine without compiling its graphs. On the
-CPU inductor still rebuilds its C++ kernels where torch is installed at another path than where the bundle was built
-(their cache keys hold the compiler command line, include paths and all).
+has never compiled (a restarted Space, a new laptop) starts a compiled engine without compiling its graphs or kernels.
 
 A bundle is a tar.gz of the inductor cache directory right after one compile and warm-up of the preset's engine
 (FX graph and AOTAutograd cache entries, the compiled C++ or Triton kernels), plus `bundle.json` with the key it was
 built for. Installing it copies missing files into the running process's cache directory; torch's own cache keys
 decide what is reused, so a bundle that does not fit only costs a normal compile, never an error. The key lets the
 engine skip bundles that cannot fit and say why.
+
+On the CPU, inductor names each C++ kernel by a hash of its source and of the compiler command line, and that line
+holds torch's absolute include and library paths: a kernel built in one virtual environment is another kernel's file
+in any other. Installing therefore files each bundled kernel again under the name this process gives its source
+(`kernel_key`), so a new machine or a Space builds none of them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import platform
 import tarfile
 import tempfile
@@ -22,13 +26,23 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
-from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+from torch._inductor import config as inductor_config
+from torch._inductor.codecache import CppPythonBindingsCodeCache, get_hash, pick_vec_isa
+from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions, get_compiler_version_info, get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.utils import parallel_num_threads
 
+log = logging.getLogger(__name__)
+
 FOLDER = "compiled"  # inside a preset's folder
 MANIFEST = "bundle.json"
+# Inductor settings of every compile whose artifacts travel (the bundle build and a start from a bundle): no
+# precompiled header. Inductor builds that header (140 MB on the CPU, 7 s on 2 cores) before it looks a kernel up,
+# even one the bundle holds. A cold compile without it takes longer (tiny preset: 135 s vs 80 s), so a start that has
+# no bundle keeps it.
+OPTIONS = {"cpp_cache_precompile_headers": False}
+KERNEL = ".main.cpp"  # a CPU kernel's source in inductor's cache, named by its key; its binary is `.main.so`
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,8 @@ def missing_compiler(device: torch.device) -> str | None:
 
 
 def install(path: Path, key: BundleKey) -> str | None:
-    """Copy the bundle's cache entries into this process's inductor cache; returns why it was skipped, or None."""
+    """Copy the bundle's cache entries into this process's inductor cache, each C++ kernel under the name this process
+    gives it; returns why the bundle was skipped, or None."""
     if not path.is_file():
         return f"no bundle for this machine and template ({path.name})"
     with tarfile.open(path) as tar:
@@ -101,11 +116,50 @@ def install(path: Path, key: BundleKey) -> str | None:
         members = [m for m in tar.getmembers()
                    if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()]
         tar.extractall(target, members=members, filter="data")  # "data": no absolute paths, links or devices
+    for m in members:
+        if m.name.endswith(KERNEL):
+            _refile_kernel(target / m.name)
     return None
 
 
-def build(path: Path, key: BundleKey, compiled_cache: Path) -> Path:
-    """Pack `compiled_cache` (an inductor cache directory that saw exactly one compile of the engine) as a bundle."""
+def _refile_kernel(source: Path) -> None:
+    """Move a bundled kernel (source and binary) to the name this process's inductor looks it up by."""
+    name = kernel_key(source.read_text())
+    old = source.name.removesuffix(KERNEL)
+    if name == old:
+        return
+    folder = source.parent.parent / name[1:3]  # inductor's layout: <cache>/<key[1:3]>/<key>.main.cpp
+    folder.mkdir(exist_ok=True)
+    for suffix in (KERNEL, ".main.so"):
+        moved, new = source.parent / f"{old}{suffix}", folder / f"{name}{suffix}"
+        if moved.is_file() and not new.exists():
+            moved.rename(new)
+
+
+def kernel_key(source: str) -> str:
+    """The name inductor's C++ code cache gives a CPU kernel's source (its Python bindings included) in this process:
+    a hash of the source and of the compiler command line, as `CppCodeCache.load_async` computes it for
+    `async_compile.cpp_pybinding` (no separate kernel code, no extra flags; vector ISA always on for the CPU) under
+    `OPTIONS`."""
+    with inductor_config.patch(OPTIONS):
+        options = CppTorchDeviceOptions(
+            compile_only=False, min_optimize=False, device_type="cpu", extra_flags=(),
+            use_relative_path=inductor_config.is_fbcode(), vec_isa=pick_vec_isa(),
+            **CppPythonBindingsCodeCache.cpp_compile_command_flags,
+        )
+        command = CppBuilder(name="o", sources="i", BuildOption=options).get_command_line()
+    return get_hash(source.strip(), f"None {command}", "code")
+
+
+def build(path: Path, key: BundleKey, compiled_cache: Path) -> tuple[Path, int, int]:
+    """Pack `compiled_cache` (an inductor cache directory that saw exactly one compile of the engine) as a bundle;
+    also returns how many C++ kernels it holds and how many of them `kernel_key` names as this torch did, the ones
+    another environment can reuse."""
+    kernels = sorted(compiled_cache.rglob(f"*{KERNEL}"))
+    portable = sum(kernel_key(k.read_text()) == k.name.removesuffix(KERNEL) for k in kernels)
+    if portable < len(kernels):
+        log.warning("%d of %d C++ kernels are not named as kernel_key names them: other environments rebuild them",
+                    len(kernels) - portable, len(kernels))
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / MANIFEST
@@ -114,7 +168,12 @@ def build(path: Path, key: BundleKey, compiled_cache: Path) -> Path:
             tar.add(manifest, MANIFEST)
             for entry in sorted(compiled_cache.iterdir()):
                 tar.add(entry, entry.name)
-    return path
+    return path, len(kernels), portable
+
+
+def built_kernels() -> int:
+    """How many C++ kernel binaries this process's inductor cache holds (the engine counts the ones a start built)."""
+    return sum(1 for _ in Path(cache_dir()).rglob("*.main.so"))
 
 
 def cache_counts() -> tuple[int, int]:
