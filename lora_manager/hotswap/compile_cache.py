@@ -10,7 +10,7 @@ engine skip bundles that cannot fit and say why.
 On the CPU, inductor names each C++ kernel by a hash of its source and of the compiler command line, and that line
 holds torch's absolute include and library paths: a kernel built in one virtual environment is another kernel's file
 in any other. Installing therefore files each bundled kernel again under the name this process gives its source
-(`kernel_key`), so a new machine or a Space builds none of them.
+(`kernel_key` over this process's `kernel_command`), so a new machine or a Space builds none of them.
 """
 
 from __future__ import annotations
@@ -116,38 +116,42 @@ def install(path: Path, key: BundleKey) -> str | None:
         members = [m for m in tar.getmembers()
                    if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()]
         tar.extractall(target, members=members, filter="data")  # "data": no absolute paths, links or devices
+    command = kernel_command()
     for m in members:
         if m.name.endswith(KERNEL):
-            _refile_kernel(target / m.name)
+            _refile_kernel(target, Path(m.name), command)
     return None
 
 
-def _refile_kernel(source: Path) -> None:
+def _refile_kernel(cache: Path, source: Path, command: str) -> None:
     """Move a bundled kernel (source and binary) to the name this process's inductor looks it up by."""
-    name = kernel_key(source.read_text())
-    old = source.name.removesuffix(KERNEL)
+    name, old = kernel_key((cache / source).read_text(), command), source.name.removesuffix(KERNEL)
     if name == old:
         return
-    folder = source.parent.parent / name[1:3]  # inductor's layout: <cache>/<key[1:3]>/<key>.main.cpp
+    folder = cache / name[1:3]  # inductor's layout: <cache>/<key[1:3]>/<key>.main.cpp
     folder.mkdir(exist_ok=True)
     for suffix in (KERNEL, ".main.so"):
-        moved, new = source.parent / f"{old}{suffix}", folder / f"{name}{suffix}"
+        moved, new = cache / source.parent / f"{old}{suffix}", folder / f"{name}{suffix}"
         if moved.is_file() and not new.exists():
             moved.rename(new)
 
 
-def kernel_key(source: str) -> str:
-    """The name inductor's C++ code cache gives a CPU kernel's source (its Python bindings included) in this process:
-    a hash of the source and of the compiler command line, as `CppCodeCache.load_async` computes it for
-    `async_compile.cpp_pybinding` (no separate kernel code, no extra flags; vector ISA always on for the CPU) under
-    `OPTIONS`."""
+def kernel_command() -> str:
+    """The compiler command line inductor hashes into a CPU kernel's name in this process, under `OPTIONS`: as
+    `CppCodeCache.load_async` builds it for `async_compile.cpp_pybinding` (no separate kernel code, no extra flags,
+    vector ISA always on for the CPU). It holds torch's include and library paths."""
     with inductor_config.patch(OPTIONS):
         options = CppTorchDeviceOptions(
             compile_only=False, min_optimize=False, device_type="cpu", extra_flags=(),
             use_relative_path=inductor_config.is_fbcode(), vec_isa=pick_vec_isa(),
             **CppPythonBindingsCodeCache.cpp_compile_command_flags,
         )
-        command = CppBuilder(name="o", sources="i", BuildOption=options).get_command_line()
+        return CppBuilder(name="o", sources="i", BuildOption=options).get_command_line()
+
+
+def kernel_key(source: str, command: str) -> str:
+    """The name inductor's C++ code cache gives a CPU kernel's source (its Python bindings included) compiled with
+    `command`: the hash `CppCodeCache.load_async` writes it under."""
     return get_hash(source.strip(), f"None {command}", "code")
 
 
@@ -155,8 +159,8 @@ def build(path: Path, key: BundleKey, compiled_cache: Path) -> tuple[Path, int, 
     """Pack `compiled_cache` (an inductor cache directory that saw exactly one compile of the engine) as a bundle;
     also returns how many C++ kernels it holds and how many of them `kernel_key` names as this torch did, the ones
     another environment can reuse."""
-    kernels = sorted(compiled_cache.rglob(f"*{KERNEL}"))
-    portable = sum(kernel_key(k.read_text()) == k.name.removesuffix(KERNEL) for k in kernels)
+    kernels, command = sorted(compiled_cache.rglob(f"*{KERNEL}")), kernel_command()
+    portable = sum(kernel_key(k.read_text(), command) == k.name.removesuffix(KERNEL) for k in kernels)
     if portable < len(kernels):
         log.warning("%d of %d C++ kernels are not named as kernel_key names them: other environments rebuild them",
                     len(kernels) - portable, len(kernels))
