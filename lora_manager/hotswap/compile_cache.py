@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
-from torch._inductor.codecache import CppPythonBindingsCodeCache, get_hash, pick_vec_isa
 from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions, get_compiler_version_info, get_cpp_compiler
 from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -140,6 +139,8 @@ def kernel_command() -> str:
     """The compiler command line inductor hashes into a CPU kernel's name in this process, under `OPTIONS`: as
     `CppCodeCache.load_async` builds it for `async_compile.cpp_pybinding` (no separate kernel code, no extra flags,
     vector ISA always on for the CPU). It holds torch's include and library paths."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache, pick_vec_isa  # compile machinery: only here
+
     with inductor_config.patch(OPTIONS):
         options = CppTorchDeviceOptions(
             compile_only=False, min_optimize=False, device_type="cpu", extra_flags=(),
@@ -152,6 +153,8 @@ def kernel_command() -> str:
 def kernel_key(source: str, command: str) -> str:
     """The name inductor's C++ code cache gives a CPU kernel's source (its Python bindings included) compiled with
     `command`: the hash `CppCodeCache.load_async` writes it under."""
+    from torch._inductor.codecache import get_hash
+
     return get_hash(source.strip(), f"None {command}", "code")
 
 
