@@ -66,11 +66,9 @@ def cmd_compile_cache(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as fresh:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh  # read by inductor whenever it resolves its cache
         m = LoraManager.from_preset(args.preset, compile=True, slots=args.slots, max_batch=args.max_batch,
-                                    compile_kwargs={"options": compile_cache.OPTIONS})
+                                    compile_kwargs={"options": compile_cache.OPTIONS}, compile_bundle=False)
         if m.catalog_root is None:
             raise SystemExit(f"compile-cache: preset {args.preset!r} has no folder to keep a bundle in")
-        if m.stats()["compile_cache_hits"]:
-            raise SystemExit(f"compile-cache: {m.compile_source}; delete that bundle to build it again")
         path, kernels, portable = compile_cache.build(compile_cache.bundle_path(m.catalog_root, m.compile_key),
                                                       m.compile_key, Path(fresh))
     print(json.dumps({"bundle": str(path), "mb": round(path.stat().st_size / 2**20, 1),

@@ -58,9 +58,9 @@ class LoraManager:
     `max_batch=B` > 1 runs up to B queued requests in one pipeline call whatever their adapters: `device_slots`
     adapters (default max(K, B)) stay resident on the device and each row of the batch picks its own
     (`hotswap/batched.py`). With `compile`, one graph, dynamic in the batch dimension, serves every size 1..B; each
-    size runs once at start. A compiling engine first installs the preset's compile bundle where one fits
-    (`hotswap/compile_cache.py`). `compile=None` compiles on CUDA only: on the CPU a start from the bundle still takes
-    2-3x an eager one (dynamo traces the denoiser again) for images about 10% faster (README).
+    size runs once at start. A compiling engine first installs the preset's compile bundle where one fits (unless
+    `compile_bundle=False`; `hotswap/compile_cache.py`). `compile=None` compiles on CUDA only: on the CPU a start from
+    the bundle still takes 2-3x an eager one (dynamo traces the denoiser again) for images about 10% faster (README).
     `aot_package` (a `.pt2` from `python -m lora_manager aot-package`) runs the denoiser from an AOTInductor package
     bound to the template's own tensors instead: no compile at start, swaps as usual (`hotswap/aot.py`).
     """
@@ -79,6 +79,7 @@ class LoraManager:
         slots: int = 1,
         device_slots: int | None = None,
         aot_package: str | Path | None = None,
+        compile_bundle: bool = True,
     ):
         if slots < 1 or max_batch < 1:
             raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
@@ -102,6 +103,7 @@ class LoraManager:
         self.pipe = pipe
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
         self._root = Path(catalog_root) if catalog_root else None
+        self._use_bundle = compile_bundle  # False: compile from nothing (what `compile-cache` packs)
         self.base_model = resolve_base_model(self.catalog, self._root) if self._root else self.catalog.base_model
         # as a user knows it: a Hub id, or the preset's own folder by its catalog-relative name (never a server path)
         local = self.base_model != self.catalog.base_model
@@ -550,7 +552,10 @@ class LoraManager:
         """Install the preset's compile bundle where one fits, then compile and warm up; says which it was."""
         key = self.compile_key  # once: on the CPU it asks the C++ compiler for its version
         path = compile_cache.bundle_path(self._root, key) if self._root else None
-        skipped = compile_cache.install(path, key) if path else "the catalog has no folder"
+        if not self._use_bundle:
+            skipped = "compile_bundle=False"
+        else:
+            skipped = compile_cache.install(path, key) if path else "the catalog has no folder"
         if skipped is None and "mode" not in compile_kwargs:  # torch.compile takes `mode` or `options`, not both
             compile_kwargs = {**compile_kwargs, "options": {**compile_kwargs.get("options", {}), **compile_cache.OPTIONS}}
         before, kernels = compile_cache.cache_counts(), compile_cache.built_kernels()
