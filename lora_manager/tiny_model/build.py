@@ -68,7 +68,8 @@ class AdapterSpec:
 ZOO = (
     AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
     # outline (held-out: scores higher / ordered / colour / shape): as here 80/45/90/85%; half_share 0.5: 85/25/80/80%;
-    # that and 900 steps: 90/35/75/60%; 900 steps alone: 80/20/75/85%; style_weight 8: 85/40/90/75%
+    # that and 900 steps: 90/35/75/60%; 900 steps alone: 80/20/75/85%; style_weight 8: 85/40/90/75%; 1.5x the
+    # learning rate: 85/35/90/85%
     AdapterSpec("outline", "Outline", "outline", 16, 8, BLOCKS),  # alpha = rank/2
     AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank
     AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True),  # alpha = 2*rank
@@ -77,7 +78,9 @@ ZOO = (
     # and a plain loss keeps the prompt better than the style-weighted one (colour 95% / 85%, shape 70% / 60%)
     AdapterSpec("checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0),  # smallest rank
     # an attention-only LoRA drawing over the whole image keeps the prompt's shape and colours best with a plain loss
-    # and no half-strength steps (measured: with them, 25-45% of the shapes stayed readable, without, 45-75%)
+    # and no half-strength steps (measured: with them, 25-45% of the shapes stayed readable, without, 45-75%); twice
+    # the renders per caption (16) kept fewer backgrounds and colours (held-out wins/ordered/background/colour/shape
+    # 100/70/60/50/55% against 100/70/90/65/45%)
     AdapterSpec("frame", "Frame", "framed", 32, 32, ATTENTION, style_weight=0.0, half_share=0.0),  # largest rank
 )
 
