@@ -107,7 +107,7 @@ def test_generate_per_adapter(client):
         assert info["swap_ms"] >= 0 and info["generate_ms"] > 0
         assert info["recompiles"] == 0
         # eager on the CPU by default; a compiled start lists its compile phase
-        compiled = ["compile_and_warm_up"] if info["compiled"] else []
+        compiled = ["compile_artifacts", "compile", "warm_up"] if info["compiled"] else []
         assert list(info["startup_s"]) == ["imports", "pipeline_load", "adapter_reads", "template", *compiled,
                                            "ui_launch"]
         assert info["compile_source"] == "eager" or compiled
