@@ -16,9 +16,9 @@ PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .engine import LoraManager
-
     import statistics
+
+    from .engine import LoraManager
 
     mix = [_adapter_arg(a, args.strength) for a in args.adapter]
     m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank,

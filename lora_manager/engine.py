@@ -558,7 +558,8 @@ class LoraManager:
             skipped = compile_cache.install(path, key) if path else "the catalog has no folder"
         self.startup_s["compile_artifacts"] = time.perf_counter() - t0
         if skipped is None and "mode" not in compile_kwargs:  # torch.compile takes `mode` or `options`, not both
-            compile_kwargs = {**compile_kwargs, "options": {**compile_kwargs.get("options", {}), **compile_cache.OPTIONS}}
+            options = {**compile_kwargs.get("options", {}), **compile_cache.OPTIONS}
+            compile_kwargs = {**compile_kwargs, "options": options}
         before, kernels = compile_cache.cache_counts(), compile_cache.built_kernels()
         compile_denoiser(self.components[self.denoiser_name], **compile_kwargs)
         # batch sizes 1..B share one graph, dynamic in the batch dimension (unless the caller chose `dynamic`)
