@@ -69,7 +69,7 @@ ZOO = (
     AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
     # outline (held-out: scores higher / ordered / colour / shape): as here 80/45/90/85%; half_share 0.5: 85/25/80/80%;
     # that and 900 steps: 90/35/75/60%; 900 steps alone: 80/20/75/85%; style_weight 8: 85/40/90/75%; 1.5x the
-    # learning rate: 85/35/90/85%
+    # learning rate: 85/35/90/85%; conv1/conv2 only: 85/40/90/90% (background 95%, mean score at strength 1 0.45)
     AdapterSpec("outline", "Outline", "outline", 16, 8, BLOCKS),  # alpha = rank/2
     AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank
     AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True),  # alpha = 2*rank
