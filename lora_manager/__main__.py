@@ -20,6 +20,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     from .engine import LoraManager
 
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat {args.repeat}: generate at least once")
     mix = [_adapter_arg(a, args.strength) for a in args.adapter]
     m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank,
                                 slots=max(args.slots, len(mix)), max_batch=args.max_batch)

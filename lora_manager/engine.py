@@ -103,7 +103,6 @@ class LoraManager:
         self.pipe = pipe
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
         self._root = Path(catalog_root) if catalog_root else None
-        self._use_bundle = compile_bundle  # False: compile from nothing (what `compile-cache` packs)
         self.base_model = resolve_base_model(self.catalog, self._root) if self._root else self.catalog.base_model
         # as a user knows it: a Hub id, or the preset's own folder by its catalog-relative name (never a server path)
         local = self.base_model != self.catalog.base_model
@@ -166,7 +165,7 @@ class LoraManager:
         self.startup_s["template"] = time.perf_counter() - t0 - sum(self.startup_s.values())
         self.aot: AotDenoiser | None = None
         if compile:
-            self.compile_source = self._compile(compile_kwargs or {})  # adds its phases to startup_s
+            self.compile_source = self._compile(compile_kwargs or {}, compile_bundle)  # adds its phases to startup_s
         elif aot_package is not None:  # the denoiser runs an AOTInductor package bound to the template's tensors
             self.aot = load_denoiser(pipe, aot_package)
             self.compiled, self.compile_source = True, f"AOTInductor package ({Path(aot_package).name})"
@@ -547,12 +546,13 @@ class LoraManager:
         return compile_cache.bundle_key(self.pipe.device, self.dtype, self.target_rank, len(self.device_slots),
                                         len(self.slots[0].modules), generation)
 
-    def _compile(self, compile_kwargs: dict[str, Any]) -> str:
-        """Install the preset's compile bundle where one fits, then compile and warm up; says which it was."""
+    def _compile(self, compile_kwargs: dict[str, Any], use_bundle: bool) -> str:
+        """Install the preset's compile bundle where one fits (unless `use_bundle` is False: compile from nothing, what
+        `compile-cache` packs), then compile and warm up; says which it was."""
         t0 = time.perf_counter()
         key = self.compile_key  # once: on the CPU it asks the C++ compiler for its version
         path = compile_cache.bundle_path(self._root, key) if self._root else None
-        if not self._use_bundle:
+        if not use_bundle:
             skipped = "compile_bundle=False"
         else:
             skipped = compile_cache.install(path, key) if path else "the catalog has no folder"

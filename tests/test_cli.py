@@ -55,6 +55,8 @@ def test_generate_repeats_on_the_apps_engine_and_reports_its_latency(tmp_path):
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert 0 < info["generate_ms_min"] <= info["generate_ms_median"] and "template" in info["startup_s"]
+    none = run("generate", "--prompt", "x", "--out", str(tmp_path / "n.png"), "--repeat", "0")
+    assert none.returncode != 0 and "--repeat 0: generate at least once" in none.stderr
 
 
 def test_generate_combines_adapters_given_twice(tmp_path):

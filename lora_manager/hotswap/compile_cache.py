@@ -115,10 +115,10 @@ def install(path: Path, key: BundleKey) -> str | None:
         members = [m for m in tar.getmembers()
                    if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()]
         tar.extractall(target, members=members, filter="data")  # "data": no absolute paths, links or devices
-    command = kernel_command()
-    for m in members:
-        if m.name.endswith(KERNEL):
-            _refile_kernel(target, Path(m.name), command)
+    kernels = [Path(m.name) for m in members if m.name.endswith(KERNEL)]  # none in a CUDA bundle
+    command = kernel_command() if kernels else ""  # probes the CPU's vector ISA: only where there is a kernel
+    for kernel in kernels:
+        _refile_kernel(target, kernel, command)
     return None
 
 
