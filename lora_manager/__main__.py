@@ -113,6 +113,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve.main(args)
 
 
+def cmd_startbench(args: argparse.Namespace) -> None:
+    from .bench import startup
+
+    startup.main(args.rounds, args.preset, args.threads, args.json)
+
+
 def cmd_servebench(args: argparse.Namespace) -> None:
     from .bench import serve_load as serve_bench
 
@@ -204,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     sbn.add_argument("--seed", type=int, default=0)
     sbn.add_argument("--json", type=Path, default=None)
     sbn.set_defaults(func=cmd_servebench)
+
+    stb = sub.add_parser("startbench", help="app.py ready time on empty torch caches: eager vs compiled, in pairs")
+    stb.add_argument("--rounds", type=int, default=3, help="eager/compiled pairs, order swapped every round")
+    stb.add_argument("--preset", default="tiny")
+    stb.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: unset)")
+    stb.add_argument("--json", type=Path, default=None)
+    stb.set_defaults(func=cmd_startbench)
 
     args = parser.parse_args(argv)
     try:

@@ -18,16 +18,19 @@ import pytest
 import torch
 from conftest import PROMPT, ROOT
 
+from lora_manager import LoraManager
+from lora_manager.errors import LoraManagerError
 from lora_manager.hotswap import compile_cache
 
 TINY = ROOT / "lora_manager" / "presets" / "tiny"
+SHOWN = (None, "frame", "pixel")  # the adapters each start draws, with seed 3 and 3 steps
 SERVE = """
 import json, sys, numpy as np
 from lora_manager import LoraManager
-m = LoraManager.from_preset(sys.argv[1], compile=sys.argv[2] == "1", slots=2)
-images = [np.asarray(m.generate(PROMPT, adapter=a, seed=3, steps=3).image).tolist() for a in (None, "frame", "pixel")]
+m = LoraManager.from_preset(sys.argv[1], compile=True, slots=2)
+images = [np.asarray(m.generate(PROMPT, adapter=a, seed=3, steps=3).image).tolist() for a in SHOWN]
 print(json.dumps({"stats": m.stats(), "images": images}))
-""".replace("PROMPT", repr(PROMPT))
+""".replace("PROMPT", repr(PROMPT)).replace("SHOWN", repr(SHOWN))
 
 
 def catalog_outside_the_repo(tmp_path) -> str:
@@ -74,14 +77,15 @@ def test_a_bundle_starts_a_fresh_process_compiled_without_compiling(tmp_path):
     assert (tmp_path / "compiled").is_dir() and built["bundle"].startswith(str(tmp_path / "compiled"))
     assert built["cpp_kernels"] > 0 and built["cpp_kernels_portable"] == built["cpp_kernels"]
     assert as_if_built_elsewhere(Path(built["bundle"])) == 2 * built["cpp_kernels"]
-    fresh = json.loads(run("-c", SERVE, catalog, "1", cache=str(tmp_path / "empty-cache")).splitlines()[-1])
+    fresh = json.loads(run("-c", SERVE, catalog, cache=str(tmp_path / "empty-cache")).splitlines()[-1])
     stats = fresh["stats"]
     assert stats["compile_source"].endswith(": no graph compiled"), stats["compile_source"]
     assert stats["recompiles"] == 0 and stats["compile_cache_misses"] == 0 and stats["compile_cache_hits"] > 0
     assert stats["compile_built_kernels"] == 0  # each kernel was filed under this process's name for its source
-    eager = json.loads(run("-c", SERVE, catalog, "0", cache=str(tmp_path / "eager-cache")).splitlines()[-1])
-    for a, b in zip(fresh["images"], eager["images"]):
-        assert np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max() <= 1
+    with LoraManager.from_preset(catalog, compile=False, slots=2) as eager:  # the reference, in this process
+        for adapter, image in zip(SHOWN, fresh["images"], strict=True):
+            expected = np.asarray(eager.generate(PROMPT, adapter=adapter, seed=3, steps=3).image, dtype=int)
+            assert np.abs(np.asarray(image, dtype=int) - expected).max() <= 1, adapter
 
 
 def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
@@ -101,8 +105,6 @@ def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
 
 def test_auto_is_eager_on_the_cpu_and_compile_without_a_cpp_compiler_says_why():
     """Inductor on the CPU needs a C++ compiler even for a bundle's cache hits (its keys fingerprint the compiler)."""
-    from lora_manager import LoraManager
-    from lora_manager.errors import LoraManagerError
 
     with LoraManager.from_preset("tiny", device="cpu", slots=2, max_batch=4) as m:  # compile=None, the app's engine
         assert not m.compiled and m.stats()["compile_source"] == "eager"
@@ -112,9 +114,11 @@ def test_auto_is_eager_on_the_cpu_and_compile_without_a_cpp_compiler_says_why():
 
 
 @pytest.mark.compile
-def test_the_shipped_bundle_starts_the_apps_engine_without_compiling_anything(tmp_path):
-    """The tiny preset's bundle was built in another virtual environment than the one running this test (the CI builds
-    its own): every graph and every C++ kernel must come from it, under the names this environment gives them."""
+@pytest.mark.app
+def test_startbench_starts_the_app_eager_and_from_the_shipped_bundle_without_compiling(tmp_path):
+    """`python -m lora_manager startbench`, the README's start-up measurement: an eager and a compiled `app.py`, each
+    on empty torch caches. The tiny preset's bundle was built in another virtual environment than the one running this
+    test (the CI builds its own): every graph and every C++ kernel of the compiled start must come from it."""
     [bundle] = (TINY / compile_cache.FOLDER).glob("*.tar.gz")
     with tarfile.open(bundle) as tar:
         built_for = json.load(tar.extractfile(compile_cache.MANIFEST))
@@ -122,11 +126,17 @@ def test_the_shipped_bundle_starts_the_apps_engine_without_compiling_anything(tm
     other = [k for k in ("torch", "capability", "toolchain", "machine") if getattr(here, k) != built_for[k]]
     if other:
         pytest.skip(f"the shipped bundle was built for another {', '.join(other)}")
-    code = ("import json; from lora_manager import LoraManager; "
-            "print(json.dumps(LoraManager.from_preset('tiny', compile=True, slots=2, max_batch=4).stats()))")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": str(built_for["threads"])}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "lora_manager", "startbench", "--rounds", "1", "--threads",
+                          str(built_for["threads"]), "--json", str(tmp_path / "start.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    stats = json.loads(out.stdout.splitlines()[-1])
-    assert stats["compile_source"] == f"artifacts ({bundle.name}): no graph compiled", stats["compile_source"]
-    assert stats["compile_cache_misses"] == 0 and stats["compile_built_kernels"] == 0
+    result = json.loads((tmp_path / "start.json").read_text())
+    starts = {s["mode"]: s for s in result["starts"]}
+    assert starts["eager"]["compile_source"] == "eager" and "compile" not in starts["eager"]["phases"]
+    # no ", N C++ kernel(s) built" after it: every kernel was filed under this environment's name for its source
+    assert starts["compiled"]["compile_source"] == f"artifacts ({bundle.name}): no graph compiled"
+    assert "compile artifacts" in starts["compiled"]["phases"] and "warm up" in starts["compiled"]["phases"]
+    assert result["ratios"] == [round(starts["compiled"]["ready_s"] / starts["eager"]["ready_s"], 2)]
+    none = subprocess.run([sys.executable, "-m", "lora_manager", "startbench", "--rounds", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert none.returncode != 0 and "--rounds 0: measure at least one pair" in none.stderr

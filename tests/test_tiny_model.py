@@ -443,14 +443,18 @@ def test_reading_ground_truth(style):
 
 @functools.cache
 def style_runs(adapter: str) -> dict:
-    """Held-out prompts with the trigger, seed i: images without the LoRA and at strength 0, 0.5, 1."""
+    """Held-out prompts with the trigger, seed i: images without the LoRA and at strength 0, 0.5, 1. Strength 0 adds
+    exactly zero to every layer, so its images are the ones without the LoRA (checked byte for byte on one prompt)."""
     pipe = _pipe()
     entry = next(a for a in CATALOG["adapters"] if a["id"] == adapter)
     prompts = [shapes.caption(*t, entry["trigger"]) for t in HELD_OUT]
     runs = {"without": [to_uint8(generate(pipe, p, i)) for i, p in enumerate(prompts)]}
     pipe.load_lora_weights(str(TINY / entry["source"]), adapter_name=adapter)
     try:
-        for w in (0.0, 0.5, 1.0):
+        pipe.set_adapters([adapter], [0.0])
+        assert (to_uint8(generate(pipe, prompts[0], 0)) == runs["without"][0]).all()
+        runs[0.0] = runs["without"]
+        for w in (0.5, 1.0):
             pipe.set_adapters([adapter], [w])
             runs[w] = [to_uint8(generate(pipe, p, i)) for i, p in enumerate(prompts)]
     finally:

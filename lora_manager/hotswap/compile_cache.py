@@ -116,7 +116,7 @@ def install(path: Path, key: BundleKey) -> str | None:
                    if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()]
         tar.extractall(target, members=members, filter="data")  # "data": no absolute paths, links or devices
     kernels = [Path(m.name) for m in members if m.name.endswith(KERNEL)]  # none in a CUDA bundle
-    command = kernel_command() if kernels else ""  # probes the CPU's vector ISA: only where there is a kernel
+    command = kernel_command(trust_isa=True) if kernels else ""
     for kernel in kernels:
         _refile_kernel(target, kernel, command)
     return None
@@ -135,13 +135,17 @@ def _refile_kernel(cache: Path, source: Path, command: str) -> None:
             moved.rename(new)
 
 
-def kernel_command() -> str:
+def kernel_command(trust_isa: bool = False) -> str:
     """The compiler command line inductor hashes into a CPU kernel's name in this process, under `OPTIONS`: as
     `CppCodeCache.load_async` builds it for `async_compile.cpp_pybinding` (no separate kernel code, no extra flags,
-    vector ISA always on for the CPU). It holds torch's include and library paths."""
+    vector ISA always on for the CPU). It holds torch's include and library paths.
+
+    Picking the vector ISA builds and loads a test program per ISA the CPU lists (1.2 s here, once per process).
+    `trust_isa` skips those builds: `install` passes it for a bundle built with this CPU capability and compiler
+    version, where the same ISAs already built and loaded."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache, pick_vec_isa  # compile machinery: only here
 
-    with inductor_config.patch(OPTIONS):
+    with inductor_config.patch({**OPTIONS, "cpp.vec_isa_ok": True if trust_isa else inductor_config.cpp.vec_isa_ok}):
         options = CppTorchDeviceOptions(
             compile_only=False, min_optimize=False, device_type="cpu", extra_flags=(),
             use_relative_path=inductor_config.is_fbcode(), vec_isa=pick_vec_isa(),
