@@ -105,7 +105,6 @@ def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
 
 def test_auto_is_eager_on_the_cpu_and_compile_without_a_cpp_compiler_says_why():
     """Inductor on the CPU needs a C++ compiler even for a bundle's cache hits (its keys fingerprint the compiler)."""
-
     with LoraManager.from_preset("tiny", device="cpu", slots=2, max_batch=4) as m:  # compile=None, the app's engine
         assert not m.compiled and m.stats()["compile_source"] == "eager"
     with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
