@@ -1,10 +1,16 @@
 """Shared by the tests, the benchmarks and the tutorial: real LoRA files with chosen ranks, alphas, targets and key
-formats; image and slot comparisons; a free port. The engine never imports this module."""
+formats; image and slot comparisons; a free port and `python app.py` started on it. The engine never imports this
+module."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Iterable
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +120,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(app: Path, args: Sequence[str], env: dict[str, str], timeout_s: float) -> Iterator[tuple[str, str]]:
+    """Start `python app.py` on 127.0.0.1 at a free port; yield its URL and its "ready in" line once it prints it, then
+    stop it. Its output goes to a file, so an app left running never blocks on a full pipe."""
+    port = free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, str(app), "--host", "127.0.0.1", "--port", str(port), *args],
+                                cwd=app.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                log.seek(0)
+                text = log.read()
+                if ready := next((line for line in text.splitlines() if "ready in" in line), None):
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"app.py did not start (rc={proc.poll()}):\n{text[-4000:]}")
+                time.sleep(0.2)
+            yield f"http://127.0.0.1:{port}/", ready
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

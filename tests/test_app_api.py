@@ -9,17 +9,14 @@ import contextlib
 import hashlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lora_manager.testing import free_port, levels
+from lora_manager import testing
+from lora_manager.testing import levels
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = os.environ.get("APP_TEST_PRESET", "tiny")
@@ -38,7 +35,6 @@ def adapter_ids() -> list[str]:
 @contextlib.contextmanager
 def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
     """Start `python app.py` offline on 127.0.0.1, yield its URL once it prints 'ready in', then stop it."""
-    port = free_port()
     env = {
         **os.environ,
         "GRADIO_ANALYTICS_ENABLED": "False",
@@ -49,30 +45,9 @@ def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
         **env_overrides,
     }
     env.pop("LORA_COMPILE", None)
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(port), *args],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:
-                log.seek(0)
-                text = log.read()
-                if "ready in" in text:
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"app.py did not start (rc={proc.poll()}):\n{text[-4000:]}")
-                time.sleep(0.5)
-            print(next(line for line in text.splitlines() if "ready in" in line))
-            yield f"http://127.0.0.1:{port}/"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with testing.running_app(ROOT / "app.py", args, env, READY_TIMEOUT_S) as (url, ready):
+        print(ready)
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
 
-from ..testing import free_port
+from ..testing import running_app
 
 APP = Path(__file__).resolve().parents[2] / "app.py"  # a checkout's app: the command measures the app as users run it
 READY = re.compile(r"ready in ([0-9.]+) s .*compiled: (.*), \d+ adapters; (.*)\)$")
@@ -30,7 +28,7 @@ MODES = {"eager": "--no-compile", "compiled": "--compile"}
 class Start:
     mode: str  # "eager" or "compiled"
     ready_s: float  # the app's own "ready in" (from its first line of Python to a serving UI)
-    wall_s: float  # from spawning the process to that line (adds the interpreter's start)
+    wall_s: float  # from spawning the process to seeing that line (adds the interpreter's start)
     compile_source: str  # what the app says about its compile: "eager", "artifacts (...)", "compiled (...)"
     phases: str  # the start-up phases the app lists
 
@@ -44,29 +42,13 @@ def start_once(mode: str, preset: str, threads: int | None, timeout_s: float = 9
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         env.pop("LORA_COMPILE", None)
-        command = [sys.executable, str(APP), MODES[mode], "--preset", preset, "--host", "127.0.0.1",
-                   "--port", str(free_port())]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=APP.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        deadline = threading.Timer(timeout_s, proc.kill)  # a start that hangs silently ends the loop below too
-        deadline.start()
-        try:
-            lines = []
-            for line in proc.stdout:
-                lines.append(line)
-                if match := READY.search(line.strip()):
-                    ready_s, source, phases = match.groups()
-                    return Start(mode, float(ready_s), time.perf_counter() - t0, source, phases)
-            raise RuntimeError(f"app.py {MODES[mode]} did not get ready (rc={proc.poll()}):\n{''.join(lines)[-3000:]}")
-        finally:
-            deadline.cancel()
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        with running_app(APP, [MODES[mode], "--preset", preset], env, timeout_s) as (_, line):
+            wall_s = time.perf_counter() - t0
+    if not (match := READY.search(line.strip())):
+        raise RuntimeError(f"app.py {MODES[mode]}: a ready line this benchmark cannot read: {line!r}")
+    ready_s, source, phases = match.groups()
+    return Start(mode, float(ready_s), wall_s, source, phases)
 
 
 def measure(rounds: int, preset: str = "tiny", threads: int | None = None) -> dict:
