@@ -10,7 +10,8 @@ to check that the adapter draws its style on held-out prompts, that the prompt i
 still followed, and that strength 0 / 0.5 / 1 order the style.
 
 TINY_PRESET=/some/build pytest tests/test_tiny_model.py runs these checks against
-another build folder (default: the shipped preset).
+another build folder (default: the shipped preset); STYLE_SEEDS=3 measures the
+styles on three seeds per prompt instead of one.
 """
 
 from __future__ import annotations
@@ -394,17 +395,18 @@ def styled_reading(img, style=None):
 # LoRA than without ("wins"); strength 0 < 0.5 < 1 on a prompt ("ordered"); the prompt read back from the styled image
 # at strength 1 (background, shape colour, shape class).
 TARGET = {"wins": 0.9, "ordered": 0.6, "background": 0.85, "colour": 0.85, "shape": 0.75}
-# Where the shipped build measures below TARGET, the floor it is held to instead: the measured share less one prompt
-# in twenty, so a rebuild that does worse fails here, and one that does better should raise its floor or drop it.
+# Where the shipped build measures below TARGET, the floor it is held to instead: the lower of its share on one seed set
+# and its mean over three (STYLE_SEEDS=3), less one prompt in twenty, so a rebuild that does worse fails here, and one
+# that does better should raise its floor or drop it.
 # pixel's shape: 8 px blocks leave too little outline to tell a circle from a diamond (the reader gets 55-65% of
 # ground-truth pixel renders right).
 FLOORS = {
-    ("stripes", "shape"): 0.6,
-    ("outline", "wins"): 0.75, ("outline", "ordered"): 0.4,
+    ("stripes", "colour"): 0.7, ("stripes", "shape"): 0.6,
+    ("outline", "wins"): 0.75, ("outline", "ordered"): 0.35,
     ("dots", "colour"): 0.6, ("dots", "shape"): 0.5,
     ("pixel", "shape"): 0.45,
-    ("checker", "ordered"): 0.5, ("checker", "shape"): 0.65,
-    ("frame", "colour"): 0.6, ("frame", "shape"): 0.4,
+    ("checker", "ordered"): 0.5, ("checker", "shape"): 0.6,
+    ("frame", "background"): 0.75, ("frame", "colour"): 0.55, ("frame", "shape"): 0.4,
 }
 
 
@@ -441,22 +443,28 @@ def test_reading_ground_truth(style):
     assert shape >= (0.45 if style == "pixel" else 0.85)  # pixel: see FLOORS
 
 
+# One set of held-out runs is 20 prompts with one seed each, so one prompt moves a share by 5%; retraining an adapter
+# from other initial weights moved a share by as much as 28% (lora_manager/tiny_model/build.py, FULL_BUDGET).
+# STYLE_SEEDS=3 measures three seed sets (seed i, i + 100, i + 200) and holds each adapter to their mean.
+SEED_SETS = int(os.environ.get("STYLE_SEEDS", "1"))
+
+
 @functools.cache
-def style_runs(adapter: str) -> dict:
-    """Held-out prompts with the trigger, seed i: images without the LoRA and at strength 0, 0.5, 1. Strength 0 adds
-    exactly zero to every layer, so its images are the ones without the LoRA (checked byte for byte on one prompt)."""
+def style_runs(adapter: str, offset: int = 0) -> dict:
+    """Held-out prompts with the trigger, seed i + offset: images without the LoRA and at strength 0, 0.5, 1. Strength 0
+    adds exactly zero to every layer, so its images are the ones without the LoRA (checked byte for byte on one prompt)."""
     pipe = _pipe()
     entry = next(a for a in CATALOG["adapters"] if a["id"] == adapter)
     prompts = [shapes.caption(*t, entry["trigger"]) for t in HELD_OUT]
-    runs = {"without": [to_uint8(generate(pipe, p, i)) for i, p in enumerate(prompts)]}
+    runs = {"without": [to_uint8(generate(pipe, p, i + offset)) for i, p in enumerate(prompts)]}
     pipe.load_lora_weights(str(TINY / entry["source"]), adapter_name=adapter)
     try:
         pipe.set_adapters([adapter], [0.0])
-        assert (to_uint8(generate(pipe, prompts[0], 0)) == runs["without"][0]).all()
+        assert (to_uint8(generate(pipe, prompts[0], offset)) == runs["without"][0]).all()
         runs[0.0] = runs["without"]
         for w in (0.5, 1.0):
             pipe.set_adapters([adapter], [w])
-            runs[w] = [to_uint8(generate(pipe, p, i)) for i, p in enumerate(prompts)]
+            runs[w] = [to_uint8(generate(pipe, p, i + offset)) for i, p in enumerate(prompts)]
     finally:
         pipe.unload_lora_weights()
     return runs
@@ -470,9 +478,9 @@ def _pipe():
     return p
 
 
-def style_report(adapter: str) -> dict:
-    """Detector scores and prompt following for one adapter."""
-    runs, det, style = style_runs(adapter), DETECTORS[adapter], TRIGGERS[adapter]
+def style_report(adapter: str, offset: int = 0) -> dict:
+    """Detector scores and prompt following for one adapter on one seed set."""
+    runs, det, style = style_runs(adapter, offset), DETECTORS[adapter], TRIGGERS[adapter]
     score = {k: np.array([det(img) for img in imgs]) for k, imgs in runs.items()}
     reads = [styled_reading(img, style) for img in runs[1.0]]
     follow = {name: float(np.mean([r[i] == t[j] for r, t in zip(reads, HELD_OUT)]))
@@ -492,9 +500,12 @@ ADAPTER_IDS = [a["id"] for a in CATALOG["adapters"] if a["id"] in DETECTORS]
 @pytest.mark.slow  # 80 generations per adapter
 @pytest.mark.parametrize("adapter", ADAPTER_IDS)
 def test_adapter_draws_its_style_and_keeps_the_prompt(adapter):
-    """Prints the README's row (pytest -s): detector without / at 0.5 / at 1, then each share."""
-    r = style_report(adapter)
-    print(f"| {adapter} | {r['without']:.3f} / {r['s05']:.3f} / {r['s1']:.3f} | "
-          + " | ".join(f"{r[k]:.0%}" for k in TARGET) + " |")
+    """Prints the README's row (pytest -s): detector without / at 0.5 / at 1, then each share (with STYLE_SEEDS > 1, a
+    row per seed set, then their mean)."""
+    reports = [style_report(adapter, 100 * k) for k in range(SEED_SETS)]
+    r = {key: float(np.mean([x[key] for x in reports])) for key in reports[0]}
+    for x in [*reports, r] if len(reports) > 1 else [r]:
+        print(f"| {adapter} | {x['without']:.3f} / {x['s05']:.3f} / {x['s1']:.3f} | "
+              + " | ".join(f"{x[k]:.0%}" for k in TARGET) + " |")
     short = {k: r[k] for k in TARGET if r[k] < FLOORS.get((adapter, k), TARGET[k])}
     assert not short, f"{adapter}: {short} below {({k: FLOORS.get((adapter, k), TARGET[k]) for k in short})}"
