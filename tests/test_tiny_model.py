@@ -57,12 +57,20 @@ def to_uint8(img: np.ndarray) -> np.ndarray:
     return (img * 255).round().astype(np.uint8)
 
 
-@pytest.fixture(scope="module")
-def pipe():
+@functools.cache
+def _pipe():
+    """One pipeline for the whole module (each test unloads the LoRAs it loads)."""
     torch.set_num_threads(1)  # one thread is several times faster on a shared 2-core CPU
     p = DiffusionPipeline.from_pretrained(TINY / CATALOG["base_model"], torch_dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
     return p
+
+
+@pytest.fixture
+def pipe():
+    p = _pipe()
+    yield p
+    p.unload_lora_weights()  # a test that failed with a LoRA loaded leaves none behind for the next
 
 
 def test_base_follows_held_out_prompts(pipe):
@@ -450,7 +458,7 @@ SEED_SETS = int(os.environ.get("STYLE_SEEDS", "1"))
 
 
 @functools.cache
-def style_runs(adapter: str, offset: int = 0) -> dict:
+def style_runs(adapter: str, offset: int) -> dict:
     """Held-out prompts with the trigger, seed i + offset: images without the LoRA and at strength 0, 0.5, 1. Strength 0
     adds exactly zero to every layer, so its images are the ones without the LoRA (checked byte for byte on one prompt)."""
     pipe = _pipe()
@@ -470,15 +478,7 @@ def style_runs(adapter: str, offset: int = 0) -> dict:
     return runs
 
 
-@functools.cache
-def _pipe():
-    torch.set_num_threads(1)
-    p = DiffusionPipeline.from_pretrained(TINY / CATALOG["base_model"], torch_dtype=torch.float32)
-    p.set_progress_bar_config(disable=True)
-    return p
-
-
-def style_report(adapter: str, offset: int = 0) -> dict:
+def style_report(adapter: str, offset: int) -> dict:
     """Detector scores and prompt following for one adapter on one seed set."""
     runs, det, style = style_runs(adapter, offset), DETECTORS[adapter], TRIGGERS[adapter]
     score = {k: np.array([det(img) for img in imgs]) for k, imgs in runs.items()}
