@@ -110,13 +110,15 @@ def running(preset: str = "tiny", replicas: int = 2) -> Iterator[tuple[str, floa
         ray.shutdown()
 
 
-def measure(base: str, preset: str = "tiny", requests: int = 16, clients: int = 2, seed: int = 0) -> dict:
-    """The loads against running apps: each routing with one client and with `clients`, then the replica kill."""
+def measure(base: str, preset: str = "tiny", requests: int = 16, clients: int = 2, seed: int = 0,
+            kill_requests: int | None = None) -> dict:
+    """The loads against running apps: each routing with one client and with `clients`, then the replica kill under
+    `kill_requests` jobs (default: twice `requests`) from twice the clients."""
     manager = LoraManager.from_preset(preset, compile=False)
     a, b, c = [x.id for x in manager.adapters()][:3]
     popular = [a, a, a, a, b, b, c, None]  # a few LoRAs get most requests, as on any Space
     jobs = make_jobs(popular, requests, seed)
-    kill_jobs = make_jobs(popular, 2 * requests, seed + 1)
+    kill_jobs = make_jobs(popular, kill_requests or 2 * requests, seed + 1)
     refs = solo_references(manager, jobs + kill_jobs)
     loads = [send(f"{base}/{r}", jobs, n, refs, f"{r} routing, {n} client{'s' * (n > 1)}")
              for n in sorted({1, clients}) for r in ("default", "affinity")]
