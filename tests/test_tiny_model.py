@@ -351,8 +351,7 @@ def outline_score(img):
     the model draws some backgrounds off the palette (a pale yellow, a greyish blue), and measured from the palette
     all of such a background, or a fringe along the image's edge, read as shape, so that clearly hollow shapes scored
     below solid ones (see README)."""
-    f = img.astype(np.float32)
-    fg = np.linalg.norm(f - np.median(f[_EDGE < 3], 0), axis=-1) > 100  # shapes.foreground's distance
+    fg = far_from_background(img)
     body = hull_body(fg)
     if body.sum() < 20:
         return 0.0
@@ -388,18 +387,25 @@ def _bg_region(style):
         return (_EDGE < 3) & ~_DARK_TILE  # the border's light tiles keep the background colour
     return _EDGE < 3  # as shapes.background_colour
 
+def far_from_background(img, style=None):
+    """Pixels far (shapes.foreground's 100 in RGB) from the median colour of the style's background region: the
+    background the image shows, which the model draws off the palette at times (a pale yellow, a greyish blue)."""
+    f = img.astype(np.float32)
+    return np.linalg.norm(f - np.median(f[_bg_region(style)], axis=0), axis=-1) > 100
+
 def styled_reading(img, style=None):
     """(background, shape colour, shape class) read like shapes.py does, with the style's own
     pixels (frame band, dark checker tiles) left out and gaps in the shape (stripes, dots,
-    hollow outline) closed before the shape is fitted."""
+    hollow outline) closed before the shape is fitted. The shape is what lies far from the background the image
+    shows (`far_from_background`); the background's name is the palette colour nearest to it."""
     f = img.astype(np.float32)
-    bg = shapes._nearest(np.median(f[_bg_region(style)], axis=0))
-    bg_rgb = np.array(shapes.PALETTE[bg], np.float32)
-    fg = np.linalg.norm(f - bg_rgb, axis=-1) > 100
+    bg_rgb = np.median(f[_bg_region(style)], axis=0)
+    bg = shapes._nearest(bg_rgb)
+    fg = far_from_background(img, style)
     if style == "framed":
         fg &= _EDGE >= 8
     if style == "checker":
-        fg &= np.linalg.norm(f - (bg_rgb * 0.45 + 25.5), axis=-1) > 100
+        fg &= np.linalg.norm(f - (bg_rgb * 0.45 + 25.5), axis=-1) > 100  # the dark tiles, as shapes.render darkens
     if fg.sum() < 10:
         return bg, "none", "none"
     return bg, shapes.majority_colour(img, fg, bg), shapes.fit_shape(solid(fg))
@@ -415,12 +421,12 @@ TARGET = {"wins": 0.9, "ordered": 0.6, "background": 0.85, "colour": 0.85, "shap
 # pixel's shape: 8 px blocks leave too little outline to tell a circle from a diamond (the reader gets 55-65% of
 # ground-truth pixel renders right).
 FLOORS = {
-    ("stripes", "colour"): 0.7, ("stripes", "shape"): 0.6,
+    ("stripes", "colour"): 0.75, ("stripes", "shape"): 0.65,
     ("outline", "ordered"): 0.45,
-    ("dots", "colour"): 0.6, ("dots", "shape"): 0.5,
+    ("dots", "colour"): 0.6, ("dots", "shape"): 0.45,
     ("pixel", "shape"): 0.45,
-    ("checker", "ordered"): 0.5, ("checker", "shape"): 0.6,
-    ("frame", "background"): 0.75, ("frame", "colour"): 0.55, ("frame", "shape"): 0.4,
+    ("checker", "ordered"): 0.5, ("checker", "shape"): 0.65,
+    ("frame", "background"): 0.75, ("frame", "colour"): 0.65, ("frame", "shape"): 0.5,
 }
 
 

@@ -132,8 +132,9 @@ FULL_BUDGET = Budget(vae_steps=350, base_steps=2200, lora_steps=600, batch=48, r
 # stripes 100/88/90/62/75 (100/100/95/78/73) at 0.13 (0.21), outline unchanged, dots 100/88/95/77/67 (100/88/87/67/62),
 # pixel 98/80/90/90/52 (93/88/90/90/58), checker 92/58/80/82/52 (98/58/88/97/67), frame 100/57/88/80/63
 # (100/63/83/62/63): the training-caption shares, though they differed by up to 8 prompts in 20 between draws, did not
-# carry over. The detector scores each setting was chosen by: tests/test_tiny_model.py (STYLE_SEEDS=3 for three seed
-# sets).
+# carry over. These and every share in ZOO were read with tests/test_tiny_model.py's prompt reader as it was (foreground
+# against the palette colour). The detector scores each setting was chosen by: tests/test_tiny_model.py (STYLE_SEEDS=3
+# for three seed sets).
 QUICK_BUDGET = Budget(vae_steps=3, base_steps=3, lora_steps=2, batch=4, renders=1, lora_renders=1, lora_batch=4,
                       adapters=("pixel", "checker"))
 VAE_CROP = 32  # the VAE is convolutional: 32 px crops cost 1/4 and still see every pattern
