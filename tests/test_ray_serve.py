@@ -46,7 +46,7 @@ def deployment():
 def report(deployment):
     from lora_manager.bench import serve_load as serve_bench
 
-    # the kill load at 16 requests, not servebench's 32: each needs a solo reference (about 1.7 s apiece on 2 cores)
+    # the kill load at 16 requests, not servebench's 32: each needs a solo reference (about 1.8 s apiece on 2 cores)
     out = serve_bench.measure(deployment, "tiny", requests=16, clients=2, kill_requests=16)
     print(json.dumps(out, indent=2))
     return {load["name"]: load for load in out["loads"]} | {"killed": out["killed"]}

@@ -351,7 +351,7 @@ def outline_score(img):
     the model draws some backgrounds off the palette (a pale yellow, a greyish blue), and measured from the palette
     all of such a background, or a fringe along the image's edge, read as shape, so that clearly hollow shapes scored
     below solid ones (see README)."""
-    fg = far_from_background(img)
+    fg = shapes.far_from(img, background_rgb(img))
     body = hull_body(fg)
     if body.sum() < 20:
         return 0.0
@@ -387,25 +387,23 @@ def _bg_region(style):
         return (_EDGE < 3) & ~_DARK_TILE  # the border's light tiles keep the background colour
     return _EDGE < 3  # as shapes.background_colour
 
-def far_from_background(img, style=None):
-    """Pixels far (shapes.foreground's 100 in RGB) from the median colour of the style's background region: the
-    background the image shows, which the model draws off the palette at times (a pale yellow, a greyish blue)."""
-    f = img.astype(np.float32)
-    return np.linalg.norm(f - np.median(f[_bg_region(style)], axis=0), axis=-1) > 100
+def background_rgb(img, style=None):
+    """Median colour of the style's background region: the background the image shows, which the model draws off the
+    palette at times (a pale yellow, a greyish blue)."""
+    return np.median(img.astype(np.float32)[_bg_region(style)], axis=0)
 
 def styled_reading(img, style=None):
     """(background, shape colour, shape class) read like shapes.py does, with the style's own
     pixels (frame band, dark checker tiles) left out and gaps in the shape (stripes, dots,
     hollow outline) closed before the shape is fitted. The shape is what lies far from the background the image
-    shows (`far_from_background`); the background's name is the palette colour nearest to it."""
-    f = img.astype(np.float32)
-    bg_rgb = np.median(f[_bg_region(style)], axis=0)
+    shows (`background_rgb`); the background's name is the palette colour nearest to it."""
+    bg_rgb = background_rgb(img, style)
     bg = shapes._nearest(bg_rgb)
-    fg = far_from_background(img, style)
+    fg = shapes.far_from(img, bg_rgb)
     if style == "framed":
         fg &= _EDGE >= 8
     if style == "checker":
-        fg &= np.linalg.norm(f - (bg_rgb * 0.45 + 25.5), axis=-1) > 100  # the dark tiles, as shapes.render darkens
+        fg &= shapes.far_from(img, bg_rgb * 0.45 + 25.5)  # the dark tiles, as shapes.render darkens
     if fg.sum() < 10:
         return bg, "none", "none"
     return bg, shapes.majority_colour(img, fg, bg), shapes.fit_shape(solid(fg))

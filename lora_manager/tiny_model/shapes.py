@@ -134,10 +134,14 @@ def background_colour(img: np.ndarray) -> str:
     return _nearest(np.median(border, axis=0))
 
 
+def far_from(img: np.ndarray, rgb: np.ndarray) -> np.ndarray:
+    """Mask of pixels far (> 100 in RGB distance) from the colour `rgb`."""
+    return np.linalg.norm(img.astype(np.float32) - rgb, axis=-1) > 100
+
+
 def foreground(img: np.ndarray, bg: str | None = None) -> np.ndarray:
-    """Mask of pixels far (> 100 in RGB distance) from the background colour."""
-    bg = bg or background_colour(img)
-    return np.linalg.norm(img.astype(np.float32) - np.array(PALETTE[bg]), axis=-1) > 100
+    """Mask of pixels far from the background's palette colour."""
+    return far_from(img, np.array(PALETTE[bg or background_colour(img)]))
 
 
 def shape_colour(img: np.ndarray) -> str:
