@@ -11,7 +11,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist each worker (and every process its tests start) takes its share of the cores, since OpenMP
+# threads of two workers on one core wait on each other, and its own inductor cache, so that files one worker's
+# compiles write never appear in another's (test_aot asserts that serving from a package adds none).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR') or default_cache_dir()}_{worker}"
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 from diffusers import StableDiffusionPipeline  # noqa: E402
 
@@ -37,13 +46,42 @@ ADAPTERS = {
 SLOW = ("compile", "browser", "app", "ray", "notebook")  # markers registered in pyproject.toml
 
 
+# Under pytest-xdist (`.ci/run`: `-n auto`) each test file runs whole on one worker, so its module fixtures (a compiled
+# engine, a running app) are built once. The files that start a local Ray instance share one worker, so two Ray
+# instances never run at once, and so do the files that use the session's compiled engine, so it is compiled once.
+WORKER_GROUPS = {
+    "test_fresh_machine.py": "ray", "test_hostile_inputs.py": "ray", "test_ray_serve.py": "ray",
+    "test_engine.py": "compiled_manager", "test_failures.py": "compiled_manager", "test_slots.py": "compiled_manager",
+}
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """A test that uses the compiled engine is a `compile` test; every test with a slow part is `slow`."""
+    """A test that uses the compiled engine is a `compile` test; every test with a slow part is `slow`. A Ray or
+    compiled-engine test outside its WORKER_GROUPS file fails the collection, so the groups cannot fall behind."""
     for item in items:
         if "compiled_manager" in getattr(item, "fixturenames", ()):
             item.add_marker("compile")
+            if WORKER_GROUPS.get(item.path.name) != "compiled_manager":
+                raise pytest.UsageError(f"{item.path.name} uses compiled_manager: add it to WORKER_GROUPS")
+        if item.get_closest_marker("ray") and WORKER_GROUPS.get(item.path.name) != "ray":
+            raise pytest.UsageError(f"{item.path.name} starts Ray: add it to WORKER_GROUPS")
         if any(item.get_closest_marker(m) for m in SLOW):
             item.add_marker("slow")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's file scheduling, with the files in one WORKER_GROUPS entry as one unit (for `-n`'s default
+    `--dist load`; any other `--dist` is left to pytest-xdist)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return WORKER_GROUPS.get(Path(file).name, file)
+
+    return FileGroups(config, log)
 
 
 def load_tiny() -> StableDiffusionPipeline:
