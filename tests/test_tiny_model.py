@@ -421,10 +421,10 @@ TARGET = {"wins": 0.9, "ordered": 0.6, "background": 0.85, "colour": 0.85, "shap
 FLOORS = {
     ("stripes", "colour"): 0.75, ("stripes", "shape"): 0.65,
     ("outline", "ordered"): 0.45,
-    ("dots", "colour"): 0.6, ("dots", "shape"): 0.45,
+    ("dots", "colour"): 0.7, ("dots", "shape"): 0.65,
     ("pixel", "shape"): 0.45,
     ("checker", "ordered"): 0.5, ("checker", "shape"): 0.65,
-    ("frame", "background"): 0.75, ("frame", "colour"): 0.65, ("frame", "shape"): 0.5,
+    ("frame", "ordered"): 0.5, ("frame", "colour"): 0.75, ("frame", "shape"): 0.65,
 }
 
 
