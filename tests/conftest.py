@@ -69,6 +69,7 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker("slow")
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, never called
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's file scheduling, with the files in one WORKER_GROUPS entry as one unit (for `-n`'s default
     `--dist load`; any other `--dist` is left to pytest-xdist)."""
