@@ -73,8 +73,8 @@ class AdapterSpec:
 # twenty says little.
 ZOO = (
     # stripes and dots trained on the lowest 60% of noise levels only (the base alone laying the scene out), held-out
-    # wins/ordered/background/colour/shape: stripes 100/100/80/60/70%, dots 100/90/90/60/50% (as here: 100/100/95/85/65%,
-    # 100/85/90/65/55%)
+    # wins/ordered/background/colour/shape: stripes 100/100/80/60/70%, dots 100/90/90/60/50% (as here, dots from
+    # the global generator's draw: 100/100/95/85/65%, 100/85/90/65/55%)
     AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
     # outline (held-out: scores higher / ordered / colour / shape): as here 80/45/90/85%; half_share 0.5: 85/25/80/80%;
     # that and 900 steps: 90/35/75/60%; 900 steps alone: 80/20/75/85%; style_weight 8: 85/40/90/75%; 1.5x the
