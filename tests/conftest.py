@@ -15,12 +15,13 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # threads of two workers on one core wait on each other, and its own inductor cache, so that files one worker's
 # compiles write never appear in another's (test_aot asserts that serving from a package adds none).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+CORES = max(1, (os.cpu_count() or 1) // WORKERS)  # this process's share
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR') or default_cache_dir()}_{worker}"
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORKERS))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+    os.environ["OMP_NUM_THREADS"] = str(CORES)
+torch.set_num_threads(min(2, CORES))
 
 from diffusers import StableDiffusionPipeline  # noqa: E402
 
