@@ -423,7 +423,7 @@ FLOORS = {
     ("outline", "ordered"): 0.45,
     ("dots", "colour"): 0.7, ("dots", "shape"): 0.65,
     ("pixel", "shape"): 0.45,
-    ("checker", "ordered"): 0.5, ("checker", "shape"): 0.65,
+    ("checker", "shape"): 0.45,
     ("frame", "ordered"): 0.5, ("frame", "colour"): 0.75, ("frame", "shape"): 0.65,
 }
 
