@@ -99,8 +99,8 @@ ZOO = (
     # background/colour/shape): init 0 90/61/82/76/55% / 100/75/96/88/58% (five seed sets); init 1 96/55/94/90/55%
     # (five) / 100/58/100/100/60% (two). With it, two seed sets: init 2 100/65/85/68/53%; empty_share 0.1 from init 0
     # 93/63/88/80/50%. Without it, from the global generator's draw, two seed sets: style_weight 4 95/58/85/78/50%,
-    # rank 8 90/70/80/78/45%, 1.5x the steps 95/48/85/85/50%. Red backgrounds keep the faintest tiles either way (see
-    # README). The other styles it did not help, two seed sets: dots kept fewer colours (68% against 80%); frame kept
+    # rank 8 90/70/80/78/45%, 1.5x the steps 95/48/85/85/50%. On the README grid's red circle none of these drew
+    # clear tiles. The other styles it did not help, two seed sets: dots kept fewer colours (68% against 80%); frame kept
     # more shapes (82% against 70%) but ordered fewer prompts (50% against 57%) and drew a fainter border on the README
     # grid's circle; stripes came out as before (100/98/98/80/78% against 100/100/95/80/73%).
     AdapterSpec("checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25,
