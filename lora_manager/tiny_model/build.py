@@ -292,14 +292,18 @@ def fit(params: list, loss_fn, steps: int, lr: float, tag: str, ema_modules: lis
         p.data.copy_(s)
 
 
+def drop_captions(ids: torch.Tensor, share: float, empty: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A copy of `ids` with each caption replaced by `empty` at chance `share`: trains guidance's unconditional pass."""
+    out = ids.clone()
+    out[torch.rand(len(ids), generator=gen) < share] = empty
+    return out
+
+
 def sampler(lat: torch.Tensor, ids: torch.Tensor, batch: int, gen: torch.Generator, empty: torch.Tensor | None):
     """Random minibatches; 10% empty captions when `empty` is given (for guidance)."""
     def draw() -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, len(lat), (batch,), generator=gen)
-        b_ids = ids[idx].clone()
-        if empty is not None:
-            b_ids[torch.rand(batch, generator=gen) < 0.1] = empty
-        return lat[idx], b_ids
+        return lat[idx], ids[idx] if empty is None else drop_captions(ids[idx], 0.1, empty, gen)
     return draw
 
 
@@ -357,9 +361,7 @@ def train_lora(folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Rand
         idx = torch.randint(0, len(lat), (budget.lora_batch,), generator=gen)
         half = torch.rand((), generator=gen).item() < spec.half_share
         x = (lat[idx] + lat_plain[idx]) / 2 if half else lat[idx]
-        b_ids = ids[idx]
-        if spec.empty_share:
-            b_ids = torch.where((torch.rand(len(idx), generator=gen) < spec.empty_share)[:, None], empty, b_ids)
+        b_ids = drop_captions(ids[idx], spec.empty_share, empty, gen) if spec.empty_share else ids[idx]
         noise = torch.randn(x.shape, generator=gen)
         t = torch.randint(0, noise_sched.config.num_train_timesteps, (len(x),), generator=gen)
         for layer in layers if half else ():
