@@ -5,9 +5,10 @@ Everything here goes through plain diffusers (`DiffusionPipeline.from_pretrained
 checks use the pixel metrics of `lora_manager.tiny_model.shapes`.
 
 Each style adapter also has a detector below (pure numpy on 64x64 RGB uint8): it is
-first checked on ground-truth renders (styled vs plain, from shapes.py), then used
-to check that the adapter draws its style on held-out prompts, that the prompt is
-still followed, and that strength 0 / 0.5 / 1 order the style.
+first checked on ground-truth renders (styled vs plain, from shapes.py) and on their
+round trip through the preset's VAE, then used to check that the adapter draws its
+style on held-out prompts, that the prompt is still followed, and that strength
+0 / 0.5 / 1 order the style.
 
 TINY_PRESET=/some/build pytest tests/test_tiny_model.py runs these checks against
 another build folder (default: the shipped preset); STYLE_SEEDS=3 measures the
@@ -183,8 +184,9 @@ def test_kohya_file_equals_diffusers_keys(pipe, tmp_path):
 @pytest.mark.slow
 def test_quick_build(tmp_path):
     out = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(out), "--quick"],
-                   cwd=ROOT, check=True, timeout=600, capture_output=True)
+    run = subprocess.run([sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(out), "--quick", "--vae-steps", "4"],
+                         cwd=ROOT, check=True, timeout=600, capture_output=True, text=True)
+    assert "vae step 3 " in run.stdout  # the last of --vae-steps 4 (the quick budget has 3)
     catalog = json.loads((out / "catalog.json").read_text())
     p = DiffusionPipeline.from_pretrained(out / catalog["base_model"], torch_dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
@@ -205,6 +207,9 @@ def test_quick_build(tmp_path):
     catalog = json.loads((again / "catalog.json").read_text())
     assert [a["id"] for a in catalog["adapters"]] == ["checker"]
     assert (again / "adapters" / "checker.safetensors").is_file() and (again / "previews" / "checker.png").is_file()
+    refused = subprocess.run([sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(again), "--quick",
+                              "--adapters-only", "--vae-steps", "4"], cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--vae-steps trains a new base" in refused.stderr
 
 
 # ---------------------------------------------------------------- style detectors
@@ -459,6 +464,35 @@ def test_reading_ground_truth(style):
     print(f"{style}: background {bg:.2f} colour {colour:.2f} shape {shape:.2f}")
     assert bg >= 0.95 and colour >= 0.9  # checker: black shapes sit close to dark green tiles
     assert shape >= (0.45 if style == "pixel" else 0.85)  # pixel: see FLOORS
+
+
+@functools.cache
+def round_trip(style: str | None) -> list[np.ndarray]:
+    """Ground-truth renders of truth_scenes(12) in the style after the preset's VAE encodes and decodes them: what the
+    model could show if the UNet and its LoRAs drew the truth's latents exactly."""
+    vae = _pipe().vae
+    truth = np.stack([shapes.render(dataclasses.replace(sc, style=style)) for sc in truth_scenes(12)])
+    x = torch.from_numpy(truth).permute(0, 3, 1, 2).float() / 127.5 - 1
+    with torch.no_grad():
+        y = vae.decode(vae.encode(x).latent_dist.mode()).sample
+    return list(((y.permute(0, 2, 3, 1).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
+
+
+@pytest.mark.slow  # 840 round trips through the VAE
+@pytest.mark.parametrize("adapter", list(DETECTORS))
+def test_vae_round_trip_keeps_each_style(adapter):
+    """The VAE carries each style: after its round trip a styled render still scores above the plain one on nine scenes
+    in ten. Prints what the prompt reader gets back from the round trip, the reference for an adapter's shares."""
+    det, style = DETECTORS[adapter], TRIGGERS[adapter]
+    styled, plain = round_trip(style), round_trip(None)
+    wins = np.mean([det(s) > det(p) for s, p in zip(styled, plain)])
+    hits = np.zeros(3)
+    for img, sc in zip(styled, truth_scenes(12)):
+        got = styled_reading(img, style)
+        hits += [got[0] == sc.background, got[1] == sc.colour, got[2] == sc.shape]
+    bg, colour, shape = hits / len(styled)
+    print(f"{adapter}: round trip scores higher {wins:.0%}; reads background {bg:.0%} colour {colour:.0%} shape {shape:.0%}")
+    assert wins >= 0.9
 
 
 # One set of held-out runs is 20 prompts with one seed each, so one prompt moves a share by 5%; retraining an adapter
