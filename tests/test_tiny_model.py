@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lora_manager.tiny_model import shapes
+from lora_manager.tiny_model.build import to_tensor
 from lora_manager.tiny_model.kohya import to_kohya
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -449,18 +450,20 @@ def test_detector_separates_ground_truth(adapter):
     assert styled.min() > plain.max()
 
 
+def reading_shares(reads: list[tuple[str, str, str]], scenes: list[shapes.Scene]) -> np.ndarray:
+    """Share of (background, shape colour, shape class) readings that match the scenes drawn."""
+    return np.mean([[r[0] == sc.background, r[1] == sc.colour, r[2] == sc.shape] for r, sc in zip(reads, scenes)], axis=0)
+
+
 @pytest.mark.parametrize("style", [None, *shapes.STYLE_WORDS])
 def test_reading_ground_truth(style):
     """The style-aware prompt reader gets ground-truth renders right, and equals shapes.py on plain ones."""
     scenes = truth_scenes(12)
-    hits = np.zeros(3)
-    for sc in scenes:
-        img = shapes.render(dataclasses.replace(sc, style=style))
-        got = styled_reading(img, style)
-        hits += [got[0] == sc.background, got[1] == sc.colour, got[2] == sc.shape]
-        if style is None:
-            assert got == (shapes.background_colour(img), shapes.shape_colour(img), shapes.shape_class(img))
-    bg, colour, shape = hits / len(scenes)
+    images = [shapes.render(dataclasses.replace(sc, style=style)) for sc in scenes]
+    reads = [styled_reading(img, style) for img in images]
+    if style is None:
+        assert reads == [(shapes.background_colour(img), shapes.shape_colour(img), shapes.shape_class(img)) for img in images]
+    bg, colour, shape = reading_shares(reads, scenes)
     print(f"{style}: background {bg:.2f} colour {colour:.2f} shape {shape:.2f}")
     assert bg >= 0.95 and colour >= 0.9  # checker: black shapes sit close to dark green tiles
     assert shape >= (0.45 if style == "pixel" else 0.85)  # pixel: see FLOORS
@@ -472,10 +475,9 @@ def round_trip(style: str | None) -> list[np.ndarray]:
     model could show if the UNet and its LoRAs drew the truth's latents exactly."""
     vae = _pipe().vae
     truth = np.stack([shapes.render(dataclasses.replace(sc, style=style)) for sc in truth_scenes(12)])
-    x = torch.from_numpy(truth).permute(0, 3, 1, 2).float() / 127.5 - 1
     with torch.no_grad():
-        y = vae.decode(vae.encode(x).latent_dist.mode()).sample
-    return list(((y.permute(0, 2, 3, 1).clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy())
+        y = vae.decode(vae.encode(to_tensor(truth)).latent_dist.mode()).sample
+    return list(to_uint8((y.permute(0, 2, 3, 1).clamp(-1, 1).numpy() + 1) / 2))
 
 
 @pytest.mark.slow  # 840 round trips through the VAE
@@ -486,11 +488,7 @@ def test_vae_round_trip_keeps_each_style(adapter):
     det, style = DETECTORS[adapter], TRIGGERS[adapter]
     styled, plain = round_trip(style), round_trip(None)
     wins = np.mean([det(s) > det(p) for s, p in zip(styled, plain)])
-    hits = np.zeros(3)
-    for img, sc in zip(styled, truth_scenes(12)):
-        got = styled_reading(img, style)
-        hits += [got[0] == sc.background, got[1] == sc.colour, got[2] == sc.shape]
-    bg, colour, shape = hits / len(styled)
+    bg, colour, shape = reading_shares([styled_reading(img, style) for img in styled], truth_scenes(12))
     print(f"{adapter}: round trip scores higher {wins:.0%}; reads background {bg:.0%} colour {colour:.0%} shape {shape:.0%}")
     assert wins >= 0.9
 
