@@ -47,7 +47,7 @@ HELD_OUT = shapes.split_captions()[1]
 # Thresholds from the shipped build (held-out: background 95%, colour 95%, shape 95%),
 # with margin; chance is 17% / 20% / 25%.
 BG_MIN, COLOUR_MIN, SHAPE_MIN = 0.85, 0.85, 0.85
-STYLE_MIN = 0.25  # smallest pairwise style distance, same prompts and seeds; shipped build: 0.30 (outline-dots)
+STYLE_MIN = 0.2  # smallest pairwise style distance, same prompts and seeds; shipped build: 0.24 (outline-dots)
 
 
 def generate(pipe, prompt: str, seed: int) -> np.ndarray:
@@ -134,11 +134,11 @@ def test_catalog_matches_files():
         assert file_alphas == {alpha}
         ranks.add(rank)
         alphas.add((rank, alpha))
-        targets.add(any("conv1" in k for k in sd))
+        targets.add(any("to_q" in k for k in sd))
         assert (TINY / a["preview"]).is_file()
     assert min(ranks) == 4 and max(ranks) == 32 and any(r % 2 for r in ranks)
     assert any(a % r for r, a in alphas) and {a / r for r, a in alphas} >= {0.5, 1, 2}
-    assert targets == {True, False}  # attention-only and attention+ff+conv adapters
+    assert targets == {True, False}  # adapters with and without attention layers (frame: conv only)
 
 
 def test_text_encoder_adapter(pipe):
@@ -423,14 +423,14 @@ TARGET = {"wins": 0.9, "ordered": 0.6, "background": 0.85, "colour": 0.85, "shap
 # and its mean over three (STYLE_SEEDS=3), less one prompt in twenty, so a rebuild that does worse fails here, and one
 # that does better should raise its floor or drop it.
 # pixel's shape: 8 px blocks leave too little outline to tell a circle from a diamond (the reader gets 55-65% of
-# ground-truth pixel renders right).
+# ground-truth pixel renders right). checker's and dots' shapes: the LoRAs bend them; the VAE's round trip of drawn
+# truth keeps 85% and 71% (test_vae_round_trip_keeps_each_style).
 FLOORS = {
-    ("stripes", "colour"): 0.75, ("stripes", "shape"): 0.65,
-    ("outline", "ordered"): 0.45,
-    ("dots", "colour"): 0.7, ("dots", "shape"): 0.65,
-    ("pixel", "shape"): 0.45,
-    ("checker", "shape"): 0.45,
-    ("frame", "ordered"): 0.5, ("frame", "colour"): 0.75, ("frame", "shape"): 0.65,
+    ("stripes", "colour"): 0.8,
+    ("outline", "ordered"): 0.5,
+    ("dots", "shape"): 0.5,
+    ("pixel", "shape"): 0.6,
+    ("checker", "colour"): 0.8, ("checker", "shape"): 0.35,
 }
 
 

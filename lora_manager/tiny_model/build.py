@@ -41,6 +41,7 @@ from . import grid, shapes
 from .kohya import to_kohya
 
 MAX_TOKENS = 12  # "a red circle on a blue background, striped" + BOS/EOS
+CONV = ("conv1", "conv2")  # the UNet's ResNet convolutions only
 
 
 @dataclass(frozen=True)
@@ -59,64 +60,48 @@ class AdapterSpec:
     style_weight: float = 4.0  # extra loss weight where the styled latent differs from the plain one
     half_share: float = 0.3  # share of the steps run at strength 0.5 towards the halfway latent (see train_lora)
     empty_share: float = 0.0  # share of the styled samples trained with the empty caption (see train_lora)
-    # the LoRA's initial weights, which move its results (see FULL_BUDGET): None takes them from torch's generator as
-    # the build seeded it and the adapters before this one left it; k reseeds it with crc32(f"{seed}/{id}/init/{k}")
-    init: int | None = None
+    # the LoRA's initial weights, which move its results (see FULL_BUDGET): torch is reseeded with
+    # crc32(f"{seed}/{id}/init/{init}") before the LoRA is made, so any --adapters subset gives the full run's files
+    init: int = 0
 
     def describe(self) -> str:
-        what = "attention only" if tuple(self.targets) == ATTENTION else "attention+ff+proj+conv"
+        what = {ATTENTION: "attention only", CONV: "conv only", BLOCKS: "attention+ff+proj+conv"}[tuple(self.targets)]
         extra = (", + text encoder q/k/v/out" if self.text_encoder else "") + (", kohya/A1111 keys" if self.kohya else "")
         return f"rank {self.rank}, alpha {self.alpha:g}, {what}{extra}"
 
 
-# Each variant noted below was one training run measured on one seed set (tests/test_tiny_model.py); the LoRA's
-# initial weights alone moved a share by as much as 28% (see FULL_BUDGET), so a difference of one or two prompts in
-# twenty says little.
+# The settings were picked on this base (1000-step VAE) from one training run each, measured on one seed set by
+# tests/test_tiny_model.py (held-out wins / ordered / background / colour / shape); the LoRA's initial weights alone
+# moved a share by as much as 28% (see FULL_BUDGET), so a difference of one or two prompts in twenty says little.
+# Attention-only LoRAs lost the prompt on this base: frame (rank 32) 100/75/75/55/30% drawing a heavy border over
+# the shapes, self-attention only 85/30/100/100/80%; stripes 100/85/80/45/55%, dots 100/85/50/35/30%, outline
+# 80/15/100/95/75%. So the narrow target set is the conv layers: outline, conv only, 100/55/100/100/85%; frame, conv
+# only, kept every prompt but drew a faint border (0.17 at strength 1, against 0.58 with every block).
 ZOO = (
-    # stripes and dots trained on the lowest 60% of noise levels only (the base alone laying the scene out), held-out
-    # wins/ordered/background/colour/shape: stripes 100/100/80/60/70%, dots 100/90/90/60/50% (as here, dots from
-    # the global generator's draw: 100/100/95/85/65%, 100/85/90/65/55%)
-    AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
-    # outline (held-out: scores higher / ordered / colour / shape): as here 80/45/90/85%; half_share 0.5: 85/25/80/80%;
-    # that and 900 steps: 90/35/75/60%; 900 steps alone: 80/20/75/85%; style_weight 8: 85/40/90/75%; 1.5x the
-    # learning rate: 85/35/90/85%; conv1/conv2 only: 85/40/90/90% (background 95%, mean score at strength 1 0.45).
-    # Means of two seed sets: with a text-encoder LoRA 88/40/85/90%; that with conv-only targets 88/50/92/88%, and with
-    # style_weight 8 92/45/92/88%, which from other initial weights scored 82/48/95/85% (the shipped 600-step one scored
-    # 80% on all three seed sets). On a base refined for 300 more steps on captions ending in a random style word over
-    # plain images (held-out base 100/100/95%): 88/47/93/85% on three seed sets. Not adopted; outline stays the
-    # rank-16 UNet-only LoRA on every block that the tutorial's hotswap demos use. All these were measured with the
-    # outline detector as it was, foreground read against the palette colour: the shipped outline scored 80/40% wins/
-    # ordered on three seed sets with it, 92/52% with the foreground read against the image's own border colour.
-    AdapterSpec("outline", "Outline", "outline", 16, 8, BLOCKS),  # alpha = rank/2
-    AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS, init=0),  # alpha not a multiple of rank
+    AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank; 100/95/100/90/95%
+    # conv only; on every block 100/65/100/100/95%
+    AdapterSpec("outline", "Outline", "outline", 16, 8, CONV),  # alpha = rank/2
+    AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank; 100/100/95/95/65%
+    # 100/95/100/100/65%; 8 px blocks leave too little outline to tell a circle from a diamond
     AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True, init=2),  # alpha = 2*rank
-    # checker redraws the whole background: with conv layers it draws 16 px tiles and keeps the shape (attention only,
-    # 300 steps: 85% of held-out prompts scored higher, 20% of shapes readable; with conv, 600 steps: 100% and 70%),
-    # and a plain loss keeps the prompt better than the style-weighted one (colour 95% / 85%, shape 70% / 60%). Trained
-    # on triggered captions only, a checker LoRA drew strong tiles for the empty caption and fainter ones for a prompt
-    # (seen at guidance 1), so guidance (uncond + 7.5 * (cond - uncond)) took them away again; empty_share trains a
-    # quarter of its samples on the empty caption. Same initial weights without / with it (held-out wins/ordered/
-    # background/colour/shape): init 0 90/61/82/76/55% / 100/75/96/88/58% (five seed sets); init 1 96/55/94/90/55%
-    # (five) / 100/58/100/100/60% (two). With it, two seed sets: init 2 100/65/85/68/53%; empty_share 0.1 from init 0
-    # 93/63/88/80/50%. Without it, from the global generator's draw, two seed sets: style_weight 4 95/58/85/78/50%,
-    # rank 8 90/70/80/78/45%, 1.5x the steps 95/48/85/85/50%. On the README grid's red circle none of these drew
-    # clear tiles. The other styles it did not help, two seed sets: dots kept fewer colours (68% against 80%); frame kept
-    # more shapes (82% against 70%) but ordered fewer prompts (50% against 57%) and drew a fainter border on the README
-    # grid's circle; stripes came out as before (100/98/98/80/78% against 100/100/95/80/73%).
-    AdapterSpec("checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25,
-                init=0),  # smallest rank
-    # an attention-only LoRA drawing over the whole image keeps the prompt's shape and colours best with a plain loss
-    # and no half-strength steps (measured: with them, 25-45% of the shapes stayed readable, without, 45-75%); twice
-    # the renders per caption (16) kept fewer backgrounds and colours (held-out wins/ordered/background/colour/shape
-    # 100/70/60/50/55% against 100/70/90/65/45%)
-    AdapterSpec("frame", "Frame", "framed", 32, 32, ATTENTION, style_weight=0.0, half_share=0.0, init=2),  # largest rank
+    # checker redraws the whole background; a plain loss keeps the prompt better than the style-weighted one. A checker
+    # LoRA trained on triggered captions only drew strong tiles for the empty caption and fainter ones for a prompt (seen
+    # at guidance 1), so guidance (uncond + 7.5 * (cond - uncond)) took them away again: a quarter of its samples carry
+    # the empty caption. 100/80/100/85/55%; init 1 100/65/100/85/55%; init 2 on three seed sets 98/58/95/85/52% (this
+    # one 100/75/95/85/42%), but it lost the README grid's triangle among its tiles. (On the 350-step VAE's base, init 0
+    # without the empty captions scored 90/61/82/76/55% on five seed sets, with them 100/75/96/88/58%.)
+    AdapterSpec("checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25),  # smallest rank
+    # a LoRA drawing over the whole image keeps the prompt's shape best with a plain loss and no half-strength steps:
+    # 100/70/100/100/100%, with them 100/95/95/85/40%; attention + ff + proj (no conv) 100/90/95/100/40%. Its border
+    # comes out orange to red, speckled, not the training renders' magenta.
+    AdapterSpec("frame", "Frame", "framed", 32, 32, BLOCKS, style_weight=0.0, half_share=0.0, init=2),  # largest rank
 )
 
 
 @dataclass(frozen=True)
 class Budget:
     """Step counts; full ones sized from measured step times on an idle 2-core CPU
-    (0.55 s per base step with 2 threads) so the build fits ~40 min."""
+    (0.55-0.66 s per base step with 2 threads) so the build fits within an hour."""
 
     vae_steps: int
     base_steps: int
@@ -129,34 +114,21 @@ class Budget:
     adapters: tuple[str, ...] = field(default_factory=lambda: tuple(a.id for a in ZOO))
 
 
-FULL_BUDGET = Budget(vae_steps=350, base_steps=2200, lora_steps=600, batch=48, renders=24, lora_batch=16, lora_lr=6e-3)
-# base: 1000/150 steps left prompts ~50% right. LoRAs: 300 steps at batch 32, 4e-3 with cosine decay and an
-# unweighted min-SNR loss left the styles faint (stripes scored 0.11 of a ground-truth 0.37) and strength 0.5 drew
-# almost nothing. With the style-weighted loss at batch 16 and a constant 4e-3, stripes reached 0.21 by step 500 with
-# prompts still followed; by step 1000 colours fell to 65% (1.5e-2 stalled at 0.06); 1100 steps peaking at 6e-3
-# over-trained frame and checker (shape 15-30%). So 600 steps peaking at 6e-3 under the cosine, with the per-adapter
-# settings in ZOO: 0.2-0.3 s/step on one thread, 12.5 min for all six (2 OpenMP threads fell to 0.5 s/step while
-# others used the CPU). The results hang on the LoRA's initial weights: stripes from two other draws (all else as
-# shipped) scored 0.18 and 0.17 at strength 1 (shipped: 0.21) with 75% and 50% of colours kept (shipped: 78%; means of
-# two or three seed sets) and drew a smudge, not stripes, on the README grid's circle. Twice the steps at half the
-# peak, from the same two draws: stripes 0.21 and 0.19, colours 80% and 70%, but outline kept fewer colours and shapes
-# (75/77% against 90/87%) and checker fewer colours (80% against 97%); not adopted. Picking among draws: each LoRA
-# trained from 3 initial weights (init=k, k = 0..2), keeping the draw whose wins/ordered/background/colour/shape shares
-# summed highest on 20 training captions (seeds 1000 + i), 29.5 min for the six in two one-thread processes. Picked
-# draws' held-out shares (three seed sets; the global-generator draw in brackets): stripes 100/88/90/62/75
-# (100/100/95/78/73) at 0.13 (0.21), outline unchanged, dots 100/88/95/77/67 (100/88/87/67/62), pixel 98/80/90/90/52
-# (93/88/90/90/58), checker 92/58/80/82/52 (98/58/88/97/67), frame 100/57/88/80/63 (100/63/83/62/63). Kept for dots,
-# pixel and frame (init in ZOO), whose picks held up on two fresh seed sets (i + 300, i + 400; README); stripes keeps
-# its global-generator draw. checker now trains from init 0 with empty captions (see ZOO); the file it replaced came
-# from a run this code no longer reproduced (98/58/88/98/70 on three seed sets, with 69% of shapes on five). The
-# shares in this comment and in ZOO, but for checker's, were read with tests/test_tiny_model.py's prompt reader as it
-# was (foreground against the palette colour).
-# VAE: its round trip of drawn truth (tests/test_tiny_model.py, round_trip) keeps 63% of dotted colours and 59-64% of
-# dotted, checker and pixel shapes after 350 steps; 1000 steps (--vae-steps 1000, whole build 37.4 min) keep every
-# colour and base prompts 100/100/100%, but with ZOO as it is outline, checker and frame did worse on that base (frame
-# 28% of shapes; 40-45% with a half or a quarter of its steps), so 350 stays until they are tuned for it. A decoder
-# refined alone (encoder frozen, latents kept: 600 steps) kept every colour in the round trip too, but drew the
-# UNet's latent noise as texture: held-out colours and shapes fell by about a prompt in twenty for most styles.
+FULL_BUDGET = Budget(vae_steps=1000, base_steps=2200, lora_steps=600, batch=48, renders=24, lora_batch=16, lora_lr=6e-3)
+# base: 1000/150 steps left prompts ~50% right. VAE: after 350 steps its round trip of drawn truth (tests/
+# test_tiny_model.py, round_trip) kept 63% of dotted colours and 59-64% of dotted, checker and pixel shapes, and the
+# LoRAs on that base drew what it gave back (teal dots on a green circle, faint checker tiles on red); after 1000 every
+# colour comes back and the base follows 100% of held-out prompts. A decoder refined alone (encoder frozen, latents
+# kept) kept every colour too, but drew the UNet's latent noise as texture. LoRAs (measured on the 350-step base):
+# 300 steps at batch 32, 4e-3 with cosine decay and an unweighted min-SNR loss left the styles faint (stripes scored
+# 0.11 of a ground-truth 0.37) and strength 0.5 drew almost nothing. With the style-weighted loss at batch 16 and a
+# constant 4e-3, stripes reached 0.21 by step 500 with prompts still followed; by step 1000 colours fell to 65%
+# (1.5e-2 stalled at 0.06); 1100 steps peaking at 6e-3 over-trained frame and checker (shape 15-30%). So 600 steps
+# peaking at 6e-3 under the cosine, with the per-adapter settings in ZOO: 0.2-0.3 s/step on one thread, 0.35-0.5 with
+# two one-thread builds side by side (2 OpenMP threads fell to 0.5 s/step while others used the CPU). The results hang
+# on the LoRA's initial weights: stripes from two other draws (all else equal) scored 0.18 and 0.17 at strength 1
+# (0.21) with 75% and 50% of colours kept (78%) and drew a smudge, not stripes, on the README grid's circle. Twice the
+# steps at half the peak steadied stripes but cost outline and checker colours (75/80% against 90/97%).
 # The detector scores each setting was chosen by: tests/test_tiny_model.py (STYLE_SEEDS=3 for three seed sets).
 QUICK_BUDGET = Budget(vae_steps=3, base_steps=3, lora_steps=2, batch=4, renders=1, lora_renders=1, lora_batch=4,
                       adapters=("pixel", "checker"))
@@ -509,11 +481,9 @@ def build(out: Path, budget: Budget, seed: int, threads: int, base: Path | None 
     specs = [s for s in ZOO if s.id in budget.adapters]
     for spec in specs:
         t0 = time.time()
-        # each adapter draws its scenes and noise from its own streams; its LoRA's initial weights, with init=None, come
-        # from torch's global generator, so an --adapters subset without the adapters before it starts from other ones
+        # each adapter draws its scenes, noise and initial weights from its own streams
         key = f"{seed}/{spec.id}"
-        if spec.init is not None:
-            torch.manual_seed(zlib.crc32(f"{key}/init/{spec.init}".encode()))
+        torch.manual_seed(zlib.crc32(f"{key}/init/{spec.init}".encode()))
         train_lora(out / "model", spec, budget, random.Random(key), torch.Generator().manual_seed(zlib.crc32(key.encode())),
                    out / "adapters")
         times[spec.id] = time.time() - t0
