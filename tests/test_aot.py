@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red circle on a blue background"
-# ranks 5, 16, 12, 8 (+ text encoder), 4 (kohya keys), 32 (conv only); alphas above, below and equal to the rank;
+# ranks 5, 16 (conv only), 12, 8 (+ text encoder), 4 (kohya keys), 32; alphas above, below and equal to the rank;
 # no adapter; strength changes of a live adapter and revisits after larger ranks (stale padding would show)
 SEQUENCE = [
     ("stripes", 1.0), ("outline", 1.0), ("dots", 1.0), ("pixel", 1.0), (None, 1.0), ("stripes", 0.5),

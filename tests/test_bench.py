@@ -58,7 +58,7 @@ def test_engine_swap_equals_diffusers_hotswap(bench_run):
     """Two separate UNets, one swapped by the engine and one hotswapped by diffusers from the file (largest rank,
     then smallest, so stale padding would show), give the same output; the adapter visibly changes that output."""
     check = bench_run[0]["check"]
-    assert check["sequence"] == ["outline", "checker"]  # ranks 16 then 4 (kohya keys)
+    assert check["sequence"] == ["frame", "checker"]  # ranks 32 then 4 (kohya keys)
     assert check["output_lora_effect"] > 1e-2
     assert check["output_max_abs_diff"] <= 1e-5
     assert check["effective_weights_max_abs_diff"] <= 1e-5
