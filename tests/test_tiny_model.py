@@ -138,7 +138,7 @@ def test_catalog_matches_files():
         assert (TINY / a["preview"]).is_file()
     assert min(ranks) == 4 and max(ranks) == 32 and any(r % 2 for r in ranks)
     assert any(a % r for r, a in alphas) and {a / r for r, a in alphas} >= {0.5, 1, 2}
-    assert targets == {True, False}  # adapters with and without attention layers (frame: conv only)
+    assert targets == {True, False}  # adapters with and without attention layers (outline: conv only)
 
 
 def test_text_encoder_adapter(pipe):
