@@ -81,6 +81,7 @@ ZOO = (
     AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank; 100/95/100/90/95%
     # conv only; on every block 100/65/100/100/95%
     AdapterSpec("outline", "Outline", "outline", 16, 8, CONV),  # alpha = rank/2
+    # 0.7 of the steps, style weight 2, init 1, a 0.1 share of half-strength steps: shapes 45-65%
     AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank; 100/100/95/95/65%
     # 100/95/100/100/65%; 8 px blocks leave too little outline to tell a circle from a diamond
     AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True, init=2),  # alpha = 2*rank
@@ -89,7 +90,9 @@ ZOO = (
     # at guidance 1), so guidance (uncond + 7.5 * (cond - uncond)) took them away again: a quarter of its samples carry
     # the empty caption. 100/80/100/85/55%; init 1 100/65/100/85/55%; init 2 on three seed sets 98/58/95/85/52% (this
     # one 100/75/95/85/42%), but it lost the README grid's triangle among its tiles. (On the 350-step VAE's base, init 0
-    # without the empty captions scored 90/61/82/76/55% on five seed sets, with them 100/75/96/88/58%.)
+    # without the empty captions scored 90/61/82/76/55% on five seed sets, with them 100/75/96/88/58%.) Style weight 1
+    # or -0.5, rank 8, 0.7 of the steps, 16 renders per caption, a 0.15 share of half-strength steps or none: shapes
+    # 50-60% on one seed set; with none, strength 0.5 drew almost no tiles (ordered 30%). Each row is in README.md.
     AdapterSpec("checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25),  # smallest rank
     # a LoRA drawing over the whole image keeps the prompt's shape best with a plain loss and no half-strength steps:
     # 100/70/100/100/100%, with them 100/95/95/85/40%; attention + ff + proj (no conv) 100/90/95/100/40%. Its border
