@@ -9,8 +9,9 @@ from .reader import AdapterWeights
 
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' attention projections (UNet, SD3/Flux transformers)
 TEXT_ATTENTION = ("q_proj", "k_proj", "v_proj", "out_proj")  # CLIP text encoders' attention projections
+CONV = ("conv1", "conv2")  # the UNet's ResNet convolutions
 # attention, feed-forward, the transformer blocks' proj_in/proj_out and the ResNet convs: what most style LoRAs target
-BLOCKS = ATTENTION + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2")
+BLOCKS = ATTENTION + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out") + CONV
 
 
 def module_kind(module: str) -> str:

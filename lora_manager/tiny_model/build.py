@@ -36,12 +36,11 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from ..adapters.inspection import ATTENTION, BLOCKS, TEXT_ATTENTION
+from ..adapters.inspection import ATTENTION, BLOCKS, CONV, TEXT_ATTENTION
 from . import grid, shapes
 from .kohya import to_kohya
 
 MAX_TOKENS = 12  # "a red circle on a blue background, striped" + BOS/EOS
-CONV = ("conv1", "conv2")  # the UNet's ResNet convolutions only
 
 
 @dataclass(frozen=True)
