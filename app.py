@@ -1,10 +1,10 @@
 """Gradio Space for lora_manager: one pipeline, many LoRAs chosen per request, hotswapped without recompiling.
 
-    python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
+    python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--dtype float16|bfloat16|float32] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
                   [--slots K] [--max-batch B] [--aot-package FILE] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860]
                   [--share]
 
-Env fallbacks: LORA_PRESET, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, LORA_MAX_BATCH,
+Env fallbacks: LORA_PRESET, LORA_DTYPE, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, LORA_MAX_BATCH,
 GRADIO_SERVER_NAME, GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt, adapter, strength, seed, steps) -> (image, info), where adapter is '' (none),
 an id, or a list of ids or [id, strength] pairs (up to K), and `/add_adapter` (repo_id, weight_name) -> status. All logic
 lives in lora_manager; this file only wires it.
@@ -12,9 +12,25 @@ lives in lora_manager; this file only wires it.
 
 from __future__ import annotations
 
+import os
 import time
 
 _T0 = time.time()  # "ready in" counts from here, before the heavy imports below
+
+# ZeroGPU (the `spaces` package with SPACES_ZERO_GPU=true): a GPU is attached only inside functions decorated with
+# spaces.GPU, which run in a process forked from this one. `spaces` refuses to start once CUDA is initialized, and
+# importing diffusers initializes it, so `spaces` comes first. transformers loads weights in worker threads, where
+# spaces' CUDA placeholders do not reach: loads run on this thread instead.
+ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
+if ZERO_GPU:
+    os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
+try:
+    import spaces
+
+    gpu = spaces.GPU
+except ImportError:
+    def gpu(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -22,7 +38,6 @@ import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -40,18 +55,6 @@ from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, shorten 
 from lora_manager.serving.protocol import Engine  # noqa: E402
 from lora_manager.serving.remote import RemoteManager  # noqa: E402
 
-try:  # ZeroGPU: a GPU is attached only inside functions decorated with spaces.GPU
-    import spaces
-
-    gpu = spaces.GPU
-    ZERO_GPU = bool(os.environ.get("SPACES_ZERO_GPU"))
-except ImportError:
-    ZERO_GPU = False
-
-    def gpu(fn=None, **_):
-        return fn if fn is not None else (lambda f: f)
-
-
 log = logging.getLogger("app")
 SEED_MAX = 2**32 - 1
 MAX_UPLOAD = "1kb"  # the app has no file input: Gradio's upload route gets nothing bigger than this
@@ -60,6 +63,8 @@ _STRATEGIES_LOCK = threading.Lock()  # one measurement at a time, in a process o
 # Gradio lets this many generate calls reach the engine at once; its scheduler runs one at a time, grouped by adapter,
 # and answers "Busy ... retry" when its own queue is full.
 GENERATE_CONCURRENCY = 8
+ZERO_GPU_NOTE = ("On ZeroGPU the engine runs eager (torch.compile is unavailable there) and one request per pipeline "
+                 "call: the move to the GPU worker splits the stacked adapter tensors that mixed batches share.")
 CSS = """
 #gallery .thumbnail-item img, #output-image img { image-rendering: pixelated; }
 #output-image img { width: 100%; height: 100%; object-fit: contain; }
@@ -126,7 +131,7 @@ def _info_lines(info: dict) -> str:
         f"**swap:** {info['swap_ms']:.1f} ms · **generation:** {info['generate_ms'] / 1e3:.2f} s "
         f"({info.get('num_inference_steps', '?')} steps)",
         f"**compiled:** {info.get('compile_source', 'yes') if info['compiled'] else 'no (eager)'} · "
-        f"**recompiles: {info['recompiles']}** since start",
+        f"**dtype:** {info.get('dtype', '?')} · **recompiles: {info['recompiles']}** since start",
         f"**CPU cache:** {len(cache.get('adapters', {}))} adapters, {_mb(cache.get('bytes'))} of "
         f"{_mb(cache.get('budget_bytes'))}: {held}",
         f"**start-up:** {_phases(info.get('startup_s') or {}) or 'not measured'}",
@@ -295,8 +300,8 @@ def _header(engine: Engine) -> str:
         "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache."
         + (f" Up to {engine.max_adapters} LoRAs combine in one request (one hotswap slot each)." if combine else "")
         + "\n\n"
-        f"*{engine.catalog.description}*\n\n"
-        "> On ZeroGPU Spaces torch.compile is unavailable: the swap runs eagerly there (compiled: no)."
+        f"*{engine.catalog.description}*"
+        + (f"\n\n> {ZERO_GPU_NOTE}" if ZERO_GPU else "")
     )
 
 
@@ -425,6 +430,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default=os.environ.get("LORA_PRESET", "tiny"),
                    help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)")
+    p.add_argument("--dtype", default=os.environ.get("LORA_DTYPE") or None, choices=("float16", "bfloat16", "float32"),
+                   help="the pipeline's dtype (env LORA_DTYPE; default: the preset's on CUDA, float32 on the CPU)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_env_bool("LORA_COMPILE"),
                    help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)")
     p.add_argument("--aot-package", default=os.environ.get("LORA_AOT_PACKAGE") or None,
@@ -450,10 +457,13 @@ def main(argv: list[str] | None = None) -> None:
     imports_s = time.time() - _T0
     args = parse_args(argv)
     kwargs = {"target_rank": args.target_rank, "slots": args.slots, "max_batch": args.max_batch,
-              "aot_package": args.aot_package}
+              "aot_package": args.aot_package, "dtype": args.dtype}
     if args.cache_mb is not None:
         kwargs["cache_bytes"] = args.cache_mb * 2**20
     compile_ = False if ZERO_GPU or args.aot_package else args.compile
+    if ZERO_GPU:
+        kwargs.update(max_batch=1, zero_gpu=True)
+        print(f"ZeroGPU: {ZERO_GPU_NOTE}", flush=True)
     try:
         if args.backend == "ray":
             manager = RemoteManager(args.ray_url, args.preset)

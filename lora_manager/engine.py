@@ -63,6 +63,8 @@ class LoraManager:
     the bundle still takes 2-3x an eager one (dynamo traces the denoiser again) for images about 10% faster (README).
     `aot_package` (a `.pt2` from `python -m lora_manager aot-package`) runs the denoiser from an AOTInductor package
     bound to the template's own tensors instead: no compile at start, swaps as usual (`hotswap/aot.py`).
+    `zero_gpu=True` builds the engine in a ZeroGPU Space's main process, where CUDA must never be initialized: no
+    pinned host memory, eager, one request per pipeline call.
     """
 
     def __init__(
@@ -80,10 +82,15 @@ class LoraManager:
         device_slots: int | None = None,
         aot_package: str | Path | None = None,
         compile_bundle: bool = True,
+        zero_gpu: bool = False,
     ):
         if slots < 1 or max_batch < 1:
             raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
         mixed = max_batch > 1
+        if zero_gpu and (mixed or compile):
+            raise ValueError(f"On ZeroGPU the engine runs eager with max_batch=1 (got compile={compile}, max_batch="
+                             f"{max_batch}): torch.compile is unavailable there, and the move to the GPU worker splits "
+                             "the stacked tensors that mixed batches share.")
         if aot_package is not None and (compile or mixed):
             raise ValueError("aot_package replaces torch.compile and serves one request per pipeline call: pass "
                              "compile=False and max_batch=1.")
@@ -92,7 +99,7 @@ class LoraManager:
             raise ValueError(f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
                              f"with max_batch > 1.")
         if compile is None:  # auto: compile on CUDA (see the class docstring for why not on the CPU)
-            compile = aot_package is None and pipe.device.type == "cuda"
+            compile = aot_package is None and pipe.device.type == "cuda" and not zero_gpu
         no_compiler = compile_cache.missing_compiler(pipe.device) if compile else None
         if no_compiler:
             raise LoraManagerError(f"torch.compile on the CPU needs a C++ compiler (g++, or one named by CXX): "
@@ -114,8 +121,9 @@ class LoraManager:
         }
         self.denoiser_name = "transformer" if "transformer" in self.components else "unet"
         self.dtype = self.components[self.denoiser_name].dtype
+        # page-locked host memory makes host-to-GPU copies async; ZeroGPU's main process must not touch CUDA at all
         self.store = AdapterStore(
-            cache_bytes, pin_memory=pipe.device.type == "cuda", on_evict=lambda _, w: self._forget(w)
+            cache_bytes, pin_memory=pipe.device.type == "cuda" and not zero_gpu, on_evict=lambda _, w: self._forget(w)
         )
         self._registered: dict[str, _Registered] = {}
         self.errors: dict[str, str] = {}  # catalog adapters refused at start-up, with their reason
@@ -189,16 +197,24 @@ class LoraManager:
         name: str = "tiny",
         compile: bool | None = None,
         device: str | None = None,
+        dtype: torch.dtype | str | None = None,
         **kwargs,
     ) -> LoraManager:
-        """Load a preset (or a catalog .json path): its base pipeline and adapters. `compile=None` compiles on CUDA only
-        (see the class docstring)."""
+        """Load a preset (or a catalog .json path): its base pipeline and adapters.
+
+        Args:
+            name: `tiny`, `sd15`, `sdxl`, `flux` or a catalog .json path.
+            compile: torch.compile the denoiser; None compiles on CUDA only (see the class docstring).
+            device: where the pipeline runs; None is "cuda" where CUDA is available, else "cpu".
+            dtype: a `torch.dtype` or its name ("float16", "bfloat16", "float32"); None is the catalog's dtype on a
+                CUDA device (`"cuda"`, `"cuda:1"`) and float32 on the CPU.
+        """
         from diffusers import DiffusionPipeline
 
         t0 = time.perf_counter()
         catalog, root = load_preset(name)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, catalog.torch_dtype) if catalog.torch_dtype and device == "cuda" else torch.float32
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(dtype, catalog.torch_dtype, device)
         pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
         loaded = time.perf_counter() - t0
@@ -310,6 +326,7 @@ class LoraManager:
                     "generate_ms": generate_ms,
                     "batch_size": len(runnable),
                     "compiled": self.compiled,
+                    "dtype": self.dtype_name,
                     "recompiles": recompiles,
                     "base_model": self.model_name,
                 },
@@ -342,6 +359,7 @@ class LoraManager:
                 "swap_ms_last": self._swap_ms[-1] if self._swap_ms else None,
                 "swap_ms_median": statistics.median(self._swap_ms) if self._swap_ms else None,
                 "compiled": self.compiled,
+                "dtype": self.dtype_name,
                 "compile_s": self.compile_s,
                 "compile_source": self.compile_source,
                 "compile_cache_hits": self._cache_counts[0],
@@ -530,6 +548,11 @@ class LoraManager:
         return {(self.denoiser_name, n) for n, _ in model.named_modules() if n.endswith(ATTENTION)}
 
     @property
+    def dtype_name(self) -> str:
+        """The pipeline's dtype as users write it ("float16")."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def max_adapters(self) -> int:
         """How many adapters one request may combine: the hotswap slots."""
         return len(self.slots)
@@ -619,6 +642,20 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, catalog_dtype: str | None, device: torch.device) -> torch.dtype:
+    """The pipeline's dtype: `dtype` as given (a torch.dtype or its name), else the catalog's on CUDA (half precision
+    is what the GPU presets are sized for) and float32 on the CPU (where half precision runs, but slowly)."""
+    if dtype is None:
+        dtype = catalog_dtype if catalog_dtype and device.type == "cuda" else "float32"
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    return DTYPES[name]
 
 
 def _describe(mix: Mix) -> dict[str, Any]:

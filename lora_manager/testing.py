@@ -123,12 +123,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_app(app: Path, args: Sequence[str], env: dict[str, str], timeout_s: float) -> Iterator[tuple[str, str]]:
-    """Start `python app.py` on 127.0.0.1 at a free port; yield its URL and its "ready in" line once it prints it, then
-    stop it. Its output goes to a file, so an app left running never blocks on a full pipe."""
+def running_app(app: Path, args: Sequence[str], env: dict[str, str], timeout_s: float,
+                python: str = sys.executable) -> Iterator[tuple[str, str]]:
+    """Start `python app.py` (with the interpreter `python`) on 127.0.0.1 at a free port; yield its URL and its
+    "ready in" line once it prints it, then stop it. Its output goes to a file, so an app left running never blocks on a
+    full pipe."""
     port = free_port()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, str(app), "--host", "127.0.0.1", "--port", str(port), *args],
+        proc = subprocess.Popen([python, str(app), "--host", "127.0.0.1", "--port", str(port), *args],
                                 cwd=app.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + timeout_s

@@ -86,8 +86,8 @@ def pytest_xdist_make_scheduler(config, log):
     return FileGroups(config, log)
 
 
-def load_tiny() -> StableDiffusionPipeline:
-    pipe = StableDiffusionPipeline.from_pretrained(TINY_MODEL, dtype=torch.float32)
+def load_tiny(dtype: torch.dtype = torch.float32) -> StableDiffusionPipeline:
+    pipe = StableDiffusionPipeline.from_pretrained(TINY_MODEL, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -124,9 +124,10 @@ def reference(adapter_path: Path | None, strength: float = 1.0, seed: int = 0, p
     return mix_reference([(adapter_path, strength)] if adapter_path is not None else [], seed, prompt)
 
 
-def mix_reference(adapters: list[tuple[Path, float]], seed: int = 0, prompt: str = PROMPT) -> np.ndarray:
+def mix_reference(adapters: list[tuple[Path, float]], seed: int = 0, prompt: str = PROMPT,
+                  dtype: torch.dtype = torch.float32) -> np.ndarray:
     """Plain diffusers with each adapter loaded normally, combined by `set_adapters(names, strengths)`."""
-    pipe = load_tiny()
+    pipe = load_tiny(dtype)
     for i, (path, _) in enumerate(adapters):
         pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=f"ref{i}")
     if adapters and (len(adapters) > 1 or adapters[0][1] != 1.0):

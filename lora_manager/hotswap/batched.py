@@ -60,7 +60,9 @@ def gathered_lora(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, scaling: t
     every step below, which keeps the compile of a denoiser with a hundred LoRA layers short."""
     n, picks = x.shape[0], strength.shape[1]
     index, strength = index[: n * picks], strength[:n]
-    weight = strength * scaling.index_select(0, index).view(n, picks)  # [n, P]
+    # strengths and scalings are float32; the product is cast to the stacks' dtype (float16/bfloat16 pipelines), since
+    # bmm refuses mixed dtypes and type promotion would otherwise turn the half-precision rows to float32
+    weight = (strength * scaling.index_select(0, index).view(n, picks)).to(A.dtype)  # [n, P]
     Bt = Bt[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, out]
     if A.dim() == 5:  # [D, R, in, kh, kw]: a Conv2d layer
         # A of every device slot as one convolution (D*R output channels; nothing depends on the row count), then
