@@ -27,7 +27,7 @@ from .hotswap import compile_cache
 from .hotswap.aot import AotDenoiser, load_denoiser
 from .hotswap.batched import BatchRows
 from .hotswap.plan import assign_slots, plan_resident
-from .hotswap.slot import DevicePrefetch, LiveSlot
+from .hotswap.slot import DevicePrefetch, LiveSlot, sync
 from .hotswap.template import BATCH_DIM, compile_denoiser, prepare_template
 from .request_schema import Mix, check_request, shorten
 from .scheduler import Request, Scheduler
@@ -102,8 +102,7 @@ class LoraManager:
             compile = aot_package is None and pipe.device.type == "cuda" and not zero_gpu
         no_compiler = compile_cache.missing_compiler(pipe.device) if compile else None
         if no_compiler:
-            raise LoraManagerError(f"torch.compile on the CPU needs a C++ compiler (g++, or one named by CXX): "
-                                   f"{no_compiler}. Install one, or run eager (compile=False, app: --no-compile).")
+            raise LoraManagerError(f"{no_compiler}. Install one, or run eager (compile=False, app: --no-compile).")
         t0 = time.perf_counter()
         # seconds per start-up phase, in order (from_preset adds the pipeline load, the app its imports)
         self.startup_s: dict[str, float] = {}
@@ -410,19 +409,17 @@ class LoraManager:
                 if adapter_id not in before:
                     self.store.unpin(adapter_id)
             raise
-        ms, swapped = 0.0, False
+        t0, swapped = time.perf_counter(), False
         for i, (slot, old, new) in enumerate(zip(self.slots, self._live, targets)):
             if new == old:
                 if new is not None and wanted[new] != slot.strength:
                     slot.set_strength(wanted[new])
                 continue
-            ms += slot.load(fetched.get(new), wanted.get(new, 0.0))
+            slot.load(fetched.get(new), wanted.get(new, 0.0))
             self._live[i], swapped = new, True
         for adapter_id in before - set(targets):
             self.store.unpin(adapter_id)
-        if swapped:
-            self._swap_ms.append(ms)
-        return ms
+        return self._swapped(t0) if swapped else 0.0
 
     def _activate_rows(self, requests: list[Request]) -> tuple[float, dict[str, Exception]]:
         """Make every adapter of a mixed batch resident, then write each row's picks. Every incoming adapter is read
@@ -446,16 +443,15 @@ class LoraManager:
             raise
         needed = [a for a in needed if a not in refused]
         targets = plan_resident(self._live, needed, self._last_used)
-        ms = 0.0
+        t0 = time.perf_counter()
         for i, (slot, old, new) in enumerate(zip(self.device_slots, self._live, targets)):
             if new != old:
                 staged = self._prefetch.take(new, fetched[new]) if self._prefetch is not None else None
-                ms += slot.load(fetched[new], 1.0, staged)
+                slot.load(fetched[new], 1.0, staged)
                 self._live[i] = new
         for adapter_id in before - set(targets):
             self.store.unpin(adapter_id)
-        if fetched:
-            self._swap_ms.append(ms)
+        ms = self._swapped(t0) if fetched else 0.0
         if not self.compiled:  # compiled graphs keep the template rank: fixed shapes
             self._fit_ranks()
         self._batches += 1
@@ -466,6 +462,13 @@ class LoraManager:
         if rows:
             self._rows.write(rows)
         return ms, refused
+
+    def _swapped(self, t0: float) -> float:
+        """Wait once for the copies of every slot a swap loaded; record and return the swap's milliseconds."""
+        sync(self.pipe.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        self._swap_ms.append(ms)
+        return ms
 
     def _fit_ranks(self) -> None:
         """Eager: each layer computes only up to the highest rank a resident adapter has there (the columns above
@@ -499,7 +502,7 @@ class LoraManager:
     def _read(self, spec: AdapterSpec, allow_local: bool, template, target_rank) -> tuple[_Registered, AdapterWeights]:
         path = resolve(spec.source, spec.id, spec.weight_name, spec.revision, allow_local, self._root)
         weights = read_adapter(path, spec.id, type(self.pipe), self.components, self.dtype)
-        self.store.check_fits(spec.id, weights.nbytes)
+        self.store.check_fits(spec.id, weights)
         check_adapter(spec.id, weights, self.components, template, target_rank)
         reg = _Registered(
             spec=spec,

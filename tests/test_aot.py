@@ -23,7 +23,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from lora_manager import LoraManager
-from lora_manager.hotswap.aot import AotShapeError, DenoiserShapes, file_digest, package_denoiser
+from lora_manager.hotswap.aot import (AotShapeError, DenoiserShapes, check_capability, file_digest, open_package,
+                                      package_denoiser, read_metadata)
 from lora_manager.testing import levels
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
@@ -144,6 +145,18 @@ def test_other_shapes_are_refused_not_miscomputed(served):
         served.generate(PROMPT, "stripes", steps=1, num_images_per_prompt=2)
     # and the engine still serves afterwards
     assert served.generate(PROMPT, "stripes", steps=1).image.size == (64, 64)
+
+
+def test_a_package_names_its_cuda_capability_and_another_gpu_is_refused(package):
+    """A CUDA package's kernels run only on the compute capability they were compiled for; a CPU package has none."""
+    assert read_metadata(open_package(package.path))["cuda_capability"] is None
+    check_capability(None, "9.0", "cpu.pt2")
+    check_capability("9.0", "9.0", "h100.pt2")
+    with pytest.raises(AotShapeError, match=r"a10\.pt2 was compiled for CUDA compute capability 8\.6; this device "
+                                            r"has 9\.0\. Build a package on this GPU"):
+        check_capability("8.6", "9.0", "a10.pt2")
+    with pytest.raises(AotShapeError, match="this device has no CUDA"):
+        check_capability("8.6", None, "a10.pt2")
 
 
 CHILD = textwrap.dedent("""

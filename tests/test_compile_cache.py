@@ -112,6 +112,20 @@ def test_auto_is_eager_on_the_cpu_and_compile_without_a_cpp_compiler_says_why():
             LoraManager.from_preset("tiny", compile=True, device="cpu")
 
 
+def test_on_cuda_a_missing_c_compiler_for_triton_says_why(monkeypatch, tmp_path):
+    """Triton builds its CUDA launchers with a C compiler: CC, else gcc, else clang (triton/runtime/build.py)."""
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("CC", str(tmp_path / "no-cc"))
+    assert compile_cache.missing_compiler(cuda) == (f"Triton builds its CUDA launchers with the C compiler CC names "
+                                                    f"({tmp_path / 'no-cc'}), which is not found")
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    assert "none was found (gcc, clang or CC)" in compile_cache.missing_compiler(cuda)
+    (tmp_path / "gcc").write_text("#!/bin/sh\n")
+    (tmp_path / "gcc").chmod(0o755)
+    assert compile_cache.missing_compiler(cuda) is None
+
+
 @pytest.mark.compile
 @pytest.mark.app
 def test_startbench_starts_the_app_eager_and_from_the_shipped_bundle_without_compiling(tmp_path):

@@ -146,3 +146,34 @@ def test_a_missing_or_broken_aot_package_is_refused_with_its_reason(adapter_dir,
         path.write_bytes(content)
     with pytest.raises(LoraManagerError, match="no such file" if content is None else "cannot be loaded"):
         LoraManager(load_tiny(), make_catalog(adapter_dir), aot_package=path)
+
+
+def test_a_swap_waits_for_the_device_once_however_many_slots_it_loads(adapter_dir, monkeypatch):
+    """On CUDA each wait is a device-wide synchronize: a request that brings in two adapters waits once, not twice."""
+    from lora_manager import engine
+
+    waits = []
+    monkeypatch.setattr(engine, "sync", lambda device: waits.append(device))
+    with LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn", "r7_conv")), slots=2) as m:
+        m.generate(PROMPT, adapter=["r4_attn", "r7_conv"], steps=1)
+        assert len(waits) == 1
+        m.generate(PROMPT, adapter=[["r4_attn", 0.5], ["r7_conv", 1.0]], steps=1)  # strengths only: no copy
+        assert len(waits) == 1
+
+
+def test_a_packed_adapter_is_one_buffer_counted_as_the_cuda_host_allocator_holds_it(manager):
+    """Pinned, every tensor of an adapter is a view of one buffer (one host allocation, not one per tensor), and
+    the cache counts that buffer rounded up to a power of two, as CUDA's caching host allocator pins it."""
+    from lora_manager.adapters.store import ALIGN, held_bytes, packed
+
+    weights = manager.store.get("r6_te")
+    one = packed(weights, pin_memory=False)
+    tensors = [t for m in one.modules.values() for t in (m.A, m.B)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(t.storage_offset() * t.element_size() % ALIGN == 0 for t in tensors)
+    for key, m in weights.modules.items():
+        assert torch.equal(one.modules[key].A, m.A) and torch.equal(one.modules[key].B, m.B)
+    size = tensors[0].untyped_storage().nbytes()
+    held = held_bytes(weights, pinned=True)
+    assert held >= size > held // 2 and held & (held - 1) == 0
+    assert held_bytes(weights, pinned=False) == weights.nbytes

@@ -1,10 +1,16 @@
-"""A byte-bounded LRU of adapters held in CPU memory; the live adapter is pinned and never evicted."""
+"""A byte-bounded LRU of adapters held in CPU memory; the live adapter is pinned and never evicted.
+
+With `pin_memory` (CUDA), each adapter is packed into one page-locked buffer, and its cost is what CUDA's host
+allocator really holds for it: the buffer rounded up to a power of two. One buffer per adapter rather than one per
+tensor, since the allocator rounds every allocation up on its own (a few hundred small tensors would each round up)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable
+
+import torch
 
 from ..errors import CacheBudgetError
 from .reader import AdapterWeights
@@ -31,6 +37,7 @@ class AdapterStore:
         self.on_evict = on_evict
         self.stats = StoreStats()
         self._entries: OrderedDict[str, AdapterWeights] = OrderedDict()
+        self._held: dict[str, int] = {}  # host bytes each entry holds
         self._pinned: set[str] = set()
 
     def __contains__(self, adapter_id: str) -> bool:
@@ -38,7 +45,8 @@ class AdapterStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self._entries.values())
+        """Host memory the cached adapters hold (page-locked: as the allocator rounds it)."""
+        return sum(self._held.values())
 
     def entries(self) -> list[str]:
         return list(self._entries)
@@ -52,9 +60,10 @@ class AdapterStore:
         self._entries.move_to_end(adapter_id)
         return weights
 
-    def check_fits(self, adapter_id: str, nbytes: int) -> None:
+    def check_fits(self, adapter_id: str, weights: AdapterWeights) -> None:
         """Raise before anything is evicted if the adapter cannot fit beside the pinned (live) ones."""
-        pinned = sum(self._entries[i].nbytes for i in self._pinned if i in self._entries and i != adapter_id)
+        nbytes = held_bytes(weights, self.pin_memory)
+        pinned = sum(self._held[i] for i in self._pinned if i in self._held and i != adapter_id)
         if nbytes + pinned > self.budget_bytes:
             raise CacheBudgetError(
                 f"Adapter {adapter_id!r} needs {nbytes / 2**20:.1f} MiB but the CPU cache budget is "
@@ -65,19 +74,22 @@ class AdapterStore:
 
     def put(self, adapter_id: str, weights: AdapterWeights) -> AdapterWeights:
         """Insert (pinning host memory if asked), evicting least-recently-used unpinned entries to make room."""
-        self.check_fits(adapter_id, weights.nbytes)
+        self.check_fits(adapter_id, weights)
+        held = held_bytes(weights, self.pin_memory)
         if adapter_id in self._entries:
             self._drop(adapter_id)
-        while self.nbytes + weights.nbytes > self.budget_bytes:
+        while self.nbytes + held > self.budget_bytes:
             self._drop(next(i for i in self._entries if i not in self._pinned))
             self.stats.evictions += 1
         if self.pin_memory:
-            weights = _pinned_copy(weights)
+            weights = packed(weights, pin_memory=True)
         self._entries[adapter_id] = weights
+        self._held[adapter_id] = held
         return weights
 
     def _drop(self, adapter_id: str) -> None:
         weights = self._entries.pop(adapter_id)
+        del self._held[adapter_id]
         if self.on_evict:
             self.on_evict(adapter_id, weights)
 
@@ -88,8 +100,39 @@ class AdapterStore:
         self._pinned.discard(adapter_id)
 
 
-def _pinned_copy(weights: AdapterWeights) -> AdapterWeights:
-    modules = {
-        k: replace(m, A=m.A.pin_memory(), B=m.B.pin_memory()) for k, m in weights.modules.items()
-    }
-    return replace(weights, modules=modules)
+ALIGN = 64  # bytes: every tensor in a packed buffer starts on a cache line, so a view of any dtype is aligned
+
+
+def held_bytes(weights: AdapterWeights, pinned: bool) -> int:
+    """Host bytes an adapter holds: its tensors' bytes, or, page-locked, its packed buffer as CUDA's caching host
+    allocator holds it: rounded up to a power of two."""
+    if not pinned:
+        return weights.nbytes
+    size = _layout(_tensors(weights))[1]
+    return 1 << (size - 1).bit_length()
+
+
+def packed(weights: AdapterWeights, pin_memory: bool) -> AdapterWeights:
+    """The adapter with every A and B a view of one buffer (page-locked with `pin_memory`): one host allocation."""
+    tensors = _tensors(weights)
+    offsets, size = _layout(tensors)
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+    views = []
+    for t, offset in zip(tensors, offsets):
+        views.append(buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape))
+        views[-1].copy_(t)
+    it = iter(views)
+    return replace(weights, modules={k: replace(m, A=next(it), B=next(it)) for k, m in weights.modules.items()})
+
+
+def _tensors(weights: AdapterWeights) -> list[torch.Tensor]:
+    return [t for m in weights.modules.values() for t in (m.A, m.B)]
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a packed buffer (on an ALIGN boundary) and the buffer's size."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(-(-end // ALIGN) * ALIGN)
+        end = offsets[-1] + t.nbytes
+    return offsets, max(end, 1)

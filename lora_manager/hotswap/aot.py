@@ -178,7 +178,8 @@ def package_denoiser(pipe, path: str | Path, shapes: DenoiserShapes, **inductor_
         if anonymous:
             raise RuntimeError(f"export lifted tensors the package could not rebind: {anonymous[:5]}")
         layout = _layout(live)
-    meta = {"format": _FORMAT, "torch": torch.__version__, "shapes": asdict(shapes), "constants": layout}
+    meta = {"format": _FORMAT, "torch": torch.__version__, "shapes": asdict(shapes), "constants": layout,
+            "cuda_capability": cuda_capability(unet.device)}
     configs = {
         "aot_inductor.package_constants_in_so": False,  # kernels only: the caller's tensors are the weights
         "aot_inductor.package_constants_on_disk_format": None,
@@ -311,6 +312,19 @@ def open_package(path: str | Path):
     return model
 
 
+def cuda_capability(device: torch.device) -> str | None:
+    """The CUDA compute capability ("9.0") a package's kernels are compiled for; None on the CPU."""
+    return ".".join(map(str, torch.cuda.get_device_capability(device))) if device.type == "cuda" else None
+
+
+def check_capability(built: str | None, here: str | None, name: str) -> None:
+    """A CUDA package runs only on the compute capability it was compiled for: refuse another with both named."""
+    if built is not None and built != here:
+        raise AotShapeError(f"{name} was compiled for CUDA compute capability {built}; this device has "
+                            f"{here or 'no CUDA'}. Build a package on this GPU with `python -m lora_manager "
+                            f"aot-package`.")
+
+
 def read_metadata(model) -> dict[str, Any]:
     """The `package_denoiser` metadata of a loaded package (shapes, constants' layout, torch version)."""
     raw = model.get_metadata().get(_META_KEY)
@@ -335,6 +349,7 @@ def load_denoiser(pipe, path: str | Path, install: bool = True) -> AotDenoiser:
     meta = read_metadata(model)
     if meta["torch"] != torch.__version__:
         raise AotShapeError(f"{path.name} was built with torch {meta['torch']}, this is {torch.__version__}.")
+    check_capability(meta.get("cuda_capability"), cuda_capability(unet.device), path.name)
     shapes = DenoiserShapes(**meta["shapes"])
     live = live_constants(unet)
     wanted = model.get_constant_fqns()

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
+import shutil
 import tarfile
 import tempfile
 from dataclasses import asdict, dataclass
@@ -79,7 +81,8 @@ def bundle_key(device: torch.device, dtype: torch.dtype, target_rank: int, slots
             toolchain = ""
     return BundleKey(
         torch=torch.__version__, device=name, capability=capability, toolchain=toolchain,
-        threads=parallel_num_threads(), machine=platform.machine(),
+        # CPU kernels are keyed by their thread count; CUDA kernels do not depend on it
+        threads=parallel_num_threads() if device.type == "cpu" else 0, machine=platform.machine(),
         dtype=str(dtype).removeprefix("torch."), target_rank=target_rank, slots=slots,
         template_modules=template_modules, generation=json.dumps(generation, sort_keys=True),
     )
@@ -90,14 +93,20 @@ def bundle_path(root: Path, key: BundleKey) -> Path:
 
 
 def missing_compiler(device: torch.device) -> str | None:
-    """Why inductor cannot run on this CPU (no working C++ compiler), or None. A bundle does not spare the compiler:
-    inductor's CPU cache keys include a fingerprint of it."""
-    if device.type != "cpu":
+    """Why torch.compile cannot build kernels here, or None. On the CPU inductor writes C++ kernels (a bundle does not
+    spare the compiler: inductor's CPU cache keys include a fingerprint of it); on CUDA Triton builds each kernel's
+    launcher with a C compiler, looked up as Triton does (CC, else gcc, else clang)."""
+    if device.type == "cuda":
+        cc = os.environ.get("CC")
+        if cc and not shutil.which(cc):
+            return f"Triton builds its CUDA launchers with the C compiler CC names ({cc}), which is not found"
+        if not cc and not (shutil.which("gcc") or shutil.which("clang")):
+            return "Triton builds its CUDA launchers with a C compiler, and none was found (gcc, clang or CC)"
         return None
     try:
         get_cpp_compiler()
     except InvalidCxxCompiler as e:
-        return str(e)
+        return f"torch.compile on the CPU needs a C++ compiler (g++, or one named by CXX): {e}"
     return None
 
 

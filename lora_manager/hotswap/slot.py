@@ -3,7 +3,6 @@ weights into them (`LiveSlot`); on CUDA, the side-stream copy that stages the ne
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -84,10 +83,10 @@ class LiveSlot:
         self._plans.pop(id(weights), None)
 
     @torch.no_grad()
-    def load(self, weights: AdapterWeights | None, strength: float, staged: AdapterWeights | None = None) -> float:
-        """Write `weights` (None: no adapter) into the template in place; returns milliseconds spent. `staged` is a
-        device copy of `weights` (`DevicePrefetch`): the copy is then device to device."""
-        t0 = time.perf_counter()
+    def load(self, weights: AdapterWeights | None, strength: float, staged: AdapterWeights | None = None) -> None:
+        """Write `weights` (None: no adapter) into the template in place. `staged` is a device copy of `weights`
+        (`DevicePrefetch`): the copy is then device to device. Host-to-device copies are issued non-blocking: the
+        caller waits once for all the slots it loads (`sync`)."""
         old = self.weights.modules if self.weights else {}
         new = weights.modules if weights else {}
         stale = [self.modules[k] for k in old.keys() - new.keys()]  # used by the old adapter, not by the new one
@@ -100,10 +99,6 @@ class LiveSlot:
             torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
         self.weights = weights
         self.set_strength(strength)
-        first = next(iter(self.modules.values()), None)
-        if first is not None:
-            sync(first.A.device)
-        return (time.perf_counter() - t0) * 1e3
 
     @torch.no_grad()
     def set_strength(self, strength: float) -> None:
@@ -169,6 +164,7 @@ def _tensor_scaling(layer: LoraLayer, name: str) -> torch.Tensor:
 
 
 def sync(device: torch.device) -> None:
-    """Wait for non_blocking host-to-device copies, so a swap's time and effect are complete when it returns."""
+    """Wait for non_blocking host-to-device copies, so a swap's time and effect are complete: once per swap, however
+    many slots it loaded."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
