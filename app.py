@@ -52,6 +52,7 @@ from PIL import Image, ImageDraw  # noqa: E402
 
 from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
 from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, shorten  # noqa: E402
+from lora_manager.specs import DTYPE_NAMES  # noqa: E402
 from lora_manager.serving.protocol import Engine  # noqa: E402
 from lora_manager.serving.remote import RemoteManager  # noqa: E402
 
@@ -430,7 +431,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default=os.environ.get("LORA_PRESET", "tiny"),
                    help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)")
-    p.add_argument("--dtype", default=os.environ.get("LORA_DTYPE") or None, choices=("float16", "bfloat16", "float32"),
+    p.add_argument("--dtype", default=os.environ.get("LORA_DTYPE") or None, choices=DTYPE_NAMES,
                    help="the pipeline's dtype (env LORA_DTYPE; default: the preset's on CUDA, float32 on the CPU)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_env_bool("LORA_COMPILE"),
                    help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)")

@@ -1,4 +1,4 @@
-"""Command line: `python -m lora_manager {generate,inspect,compile-cache,bench,loadtest,serve,servebench} ...`."""
+"""Command line: `python -m lora_manager {generate,inspect,bench,gpu-check,loadtest,serve,...} ...` (`--help`: all)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from .errors import LoraManagerError
+from .specs import DTYPE_NAMES
 
+DTYPE_HELP = "the pipeline's dtype (env LORA_DTYPE; default: the preset's on CUDA, float32 on the CPU)"
 PIPELINES = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline", "flux": "FluxPipeline"}
 
 
@@ -24,7 +26,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise SystemExit(f"--repeat {args.repeat}: generate at least once")
     mix = [_adapter_arg(a, args.strength) for a in args.adapter]
     m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank,
-                                slots=max(args.slots, len(mix)), max_batch=args.max_batch)
+                                slots=max(args.slots, len(mix)), max_batch=args.max_batch, dtype=args.dtype)
     times = []
     for _ in range(args.repeat):  # the same request again: its generate_ms, a latency sample without the start
         result = m.generate(args.prompt, adapter=mix, strength=args.strength, seed=args.seed, steps=args.steps)
@@ -101,6 +103,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench.main(args)
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> None:
+    from .bench import gpu_check
+
+    if not gpu_check.main(args.cases.split(","), args.device, not args.no_compile, args.json):
+        raise SystemExit(1)
+
+
 def cmd_loadtest(args: argparse.Namespace) -> None:
     from .bench import load as loadtest
 
@@ -138,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--steps", type=int, default=None)
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    gen.add_argument("--dtype", choices=DTYPE_NAMES, default=os.environ.get("LORA_DTYPE") or None, help=DTYPE_HELP)
     gen.add_argument("--target-rank", type=int, default=None)
     gen.add_argument("--slots", type=int, default=1, help="hotswap slots (at least one per --adapter; the app: 2)")
     gen.add_argument("--max-batch", type=int, default=1, help="requests one pipeline call may hold (the app: 4)")
@@ -178,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ben.set_defaults(func=cmd_bench)
 
+    gpc = sub.add_parser("gpu-check", help="the engine on CUDA, offline: half precision, no recompiles, swap ms and "
+                                           "images/s vs plain diffusers, on the tiny preset and mini SDXL and Flux")
+    gpc.add_argument("--device", default="cuda", help="cpu runs it too, slowly (default: cuda)")
+    gpc.add_argument("--cases", default="tiny,sdxl,flux", help="comma-separated, from: tiny, sdxl, flux")
+    gpc.add_argument("--no-compile", action="store_true", help="run the engine eager (for a quick CPU run)")
+    gpc.add_argument("--json", type=Path, default=None)
+    gpc.set_defaults(func=cmd_gpu_check)
+
     load = sub.add_parser("loadtest", help="K concurrent clients x M requests: engine vs naive vs reload per request")
     load.add_argument("--clients", type=int, default=4)
     load.add_argument("--requests", type=int, default=8, help="per client")
@@ -194,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--routing", choices=("affinity", "default"), default="affinity",
                      help="affinity: each adapter to its home replica; default: Ray Serve's multiplexed routing")
     srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    srv.add_argument("--dtype", choices=DTYPE_NAMES, default=os.environ.get("LORA_DTYPE") or None, help=DTYPE_HELP)
     srv.add_argument("--slots", type=int, default=1)
     srv.add_argument("--cpus-per-replica", type=float, default=None,
                      help="CPUs Ray reserves for each replica (default: the machine's CPUs shared evenly)")

@@ -31,7 +31,7 @@ from .hotswap.slot import DevicePrefetch, LiveSlot, sync
 from .hotswap.template import BATCH_DIM, compile_denoiser, prepare_template
 from .request_schema import Mix, check_request, shorten
 from .scheduler import Request, Scheduler
-from .specs import AdapterInfo, AdapterSpec, Catalog, Result
+from .specs import DTYPE_NAMES, AdapterInfo, AdapterSpec, Catalog, Result
 
 log = logging.getLogger(__name__)
 
@@ -647,7 +647,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, catalog_dtype: str | None, device: torch.device) -> torch.dtype:

@@ -8,6 +8,8 @@ from typing import Any
 
 from PIL import Image
 
+DTYPE_NAMES = ("float16", "bfloat16", "float32")  # the pipeline dtypes the engine serves in, as users write them
+
 
 def _from_dict(cls: type, data: dict[str, Any], where: str):
     """Build a dataclass from a dict, naming every missing and unknown key at once."""

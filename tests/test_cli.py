@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -47,6 +48,21 @@ def test_generate_writes_a_png_with_reproducible_info(tmp_path):
     assert info["adapter"] is None and info["num_inference_steps"] == 4 and info["seed"] == 0
     assert Image.open(png).size == (info["width"], info["height"])
     assert "generate_ms_median" not in info and info["compile_source"] == "eager"
+
+
+def test_generate_in_half_precision_from_the_flag_and_the_environment(tmp_path):
+    """--dtype (or LORA_DTYPE) picks the pipeline's dtype: the app's engine, mixed batches included, in bfloat16."""
+    out = run("generate", "--prompt", "a red circle", "--steps", "2", "--out", str(tmp_path / "b.png"),
+              "--adapter", "stripes", "--adapter", "dots", "--max-batch", "4", "--dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["dtype"] == "bfloat16"
+    env = subprocess.run([sys.executable, "-m", "lora_manager", "generate", "--prompt", "x", "--steps", "1", "--out",
+                          str(tmp_path / "h.png")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "LORA_DTYPE": "float16"})
+    assert env.returncode == 0, env.stderr
+    assert json.loads(env.stdout)["dtype"] == "float16"
+    bad = run("generate", "--prompt", "x", "--out", str(tmp_path / "x.png"), "--dtype", "half")
+    assert bad.returncode == 2 and "invalid choice: 'half'" in bad.stderr
 
 
 def test_generate_repeats_on_the_apps_engine_and_reports_its_latency(tmp_path):

@@ -93,7 +93,7 @@ def test_the_cpu_gets_float32_unless_asked_and_names_are_checked():
     assert resolve_dtype(None, "float16", cpu) == torch.float32
     assert resolve_dtype("bfloat16", "float16", cpu) == torch.bfloat16
     assert resolve_dtype(torch.float16, None, torch.device("cuda")) == torch.float16
-    with pytest.raises(ValueError, match="dtype must be one of float32, float16, bfloat16, got 'half'"):
+    with pytest.raises(ValueError, match="dtype must be one of float16, bfloat16, float32, got 'half'"):
         resolve_dtype("half", None, cpu)
     with pytest.raises(ValueError, match="got torch.int8"):
         resolve_dtype(torch.int8, None, cpu)

@@ -116,14 +116,15 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
 class LoraReplica:
     """One replica: one pipeline, one template, one CPU adapter cache."""
 
-    def __init__(self, preset: str, compile: bool | None, slots: int, threads: int | None, max_batch: int = 1):
+    def __init__(self, preset: str, compile: bool | None, slots: int, threads: int | None, max_batch: int = 1,
+                 dtype: str | None = None):
         import torch
 
         from ..engine import LoraManager
 
         if threads:
             torch.set_num_threads(threads)
-        self.manager = LoraManager.from_preset(preset, compile=compile, slots=slots, max_batch=max_batch)
+        self.manager = LoraManager.from_preset(preset, compile=compile, slots=slots, max_batch=max_batch, dtype=dtype)
         self.name = serve.get_replica_context().replica_id.unique_id
 
     @serve.multiplexed(max_num_models_per_replica=1024)
@@ -204,10 +205,12 @@ def build_app(
     num_gpus: float = 0.0,
     threads: int | None = None,
     max_batch: int = 4,
+    dtype: str | None = None,
 ):
     """The Serve application: `replicas` engines behind the ingress, routed by `routing`. Each replica runs up to
     `max_batch` requests in one pipeline call whatever their adapters, so it accepts that many at once
-    (`max_ongoing_requests`, default max(2, max_batch))."""
+    (`max_ongoing_requests`, default max(2, max_batch)). `dtype`: as `LoraManager.from_preset` takes it (default: the
+    preset's on CUDA, float32 on the CPU)."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     options: dict[str, Any] = {
@@ -218,7 +221,7 @@ def build_app(
     }
     if routing == "affinity":
         options["request_router_config"] = RequestRouterConfig(request_router_class=AdapterAffinityRouter)
-    return Ingress.bind(LoraReplica.options(**options).bind(preset, compile, slots, threads, max_batch))
+    return Ingress.bind(LoraReplica.options(**options).bind(preset, compile, slots, threads, max_batch, dtype))
 
 
 def app_builder(args: dict[str, Any]):
@@ -258,5 +261,5 @@ def main(args) -> None:
     print(f"serve: {args.replicas} replicas, {cpus:g} CPUs and {gpus:g} GPUs each", flush=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(args.preset, args.replicas, args.routing, args.compile, args.slots, num_gpus=gpus,
-                    num_cpus=cpus, threads=max(1, int(cpus)))
+                    num_cpus=cpus, threads=max(1, int(cpus)), dtype=args.dtype)
     serve.run(app, name="lora-hotswap", route_prefix="/", blocking=True)
