@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_gpu_check(args: argparse.Namespace) -> None:
     from .bench import gpu_check
 
-    if not gpu_check.main(args.cases.split(","), args.device, not args.no_compile, args.json):
+    if not gpu_check.main(args.cases.split(","), args.device, not args.no_compile, args.steps, args.json):
         raise SystemExit(1)
 
 
@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     gpc.add_argument("--device", default="cuda", help="cpu runs it too, slowly (default: cuda)")
     gpc.add_argument("--cases", default="tiny,sdxl,flux", help="comma-separated, from: tiny, sdxl, flux")
     gpc.add_argument("--no-compile", action="store_true", help="run the engine eager (for a quick CPU run)")
+    gpc.add_argument("--steps", type=int, default=None, help="denoising steps of every image (default: each case's)")
     gpc.add_argument("--json", type=Path, default=None)
     gpc.set_defaults(func=cmd_gpu_check)
 

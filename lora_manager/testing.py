@@ -60,22 +60,24 @@ def write_adapter(
     seed: int = 0,
     scale: float = 0.3,
 ) -> Path:
-    """Save a Stable-Diffusion-architecture adapter as diffusers would (alpha in the metadata), or in kohya keys
-    (alpha as `.alpha` tensors)."""
-    unet = lora_layers(pipe.unet, suffixes, rank, seed, scale)
+    """Save an adapter for the denoiser (a UNet: SD, SDXL; a transformer: Flux) and optionally the first text encoder
+    as diffusers would (alpha in the metadata), or, for a UNet, in kohya keys (alpha as `.alpha` tensors)."""
+    denoiser = "transformer" if getattr(pipe, "transformer", None) is not None else "unet"
+    layers = lora_layers(getattr(pipe, denoiser), suffixes, rank, seed, scale)
     te = lora_layers(pipe.text_encoder, TEXT_ATTENTION, te_rank, seed + 1, scale) if te_rank else {}
     path.parent.mkdir(parents=True, exist_ok=True)
     if kohya:
-        packed = {f"unet.{k}": v for k, v in unet.items()} | {f"text_encoder.{k}": v for k, v in te.items()}
+        if denoiser != "unet":
+            raise ValueError("kohya keys are written for UNet pipelines (SD, SDXL) only")
+        packed = {f"unet.{k}": v for k, v in layers.items()} | {f"text_encoder.{k}": v for k, v in te.items()}
         save_file(to_kohya(packed, {"unet": alpha, "text_encoder": te_alpha or 0.0}), str(path))
         return path
     type(pipe).save_lora_weights(
         str(path.parent),
-        unet_lora_layers=unet,
         text_encoder_lora_layers=te or None,
         weight_name=path.name,
-        unet_lora_adapter_metadata=lora_config(unet, rank, alpha),
         text_encoder_lora_adapter_metadata=lora_config(te, te_rank, te_alpha) if te else None,
+        **{f"{denoiser}_lora_layers": layers, f"{denoiser}_lora_adapter_metadata": lora_config(layers, rank, alpha)},
     )
     return path
 

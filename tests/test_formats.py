@@ -35,12 +35,12 @@ from lora_formats import (
     write_flux_kohya,
     write_peft_alpha_tensors,
 )
-from mini_pipelines import FLUX_GEN, SDXL_GEN, mini_flux, mini_sdxl
 from safetensors.torch import save_file
 from test_engine import assert_same_image
 
 from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.adapters.reader import read_adapter
+from lora_manager.bench.mini_pipelines import FLUX_GEN, SDXL_GEN, mini_flux, mini_sdxl
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Mini SDXL and Flux pipelines built from config (no download): the real classes, block layouts and module names of
 the GPU presets' base models, at widths small enough that a 32x32, 2-step image takes well under a second on a CPU.
 
-A builder with the same seed gives the same random weights, so a test can build a fresh pipeline for its
-plain-diffusers reference that matches the engine's pipeline exactly.
+A builder with the same seed gives the same random weights (drawn in float32 on the CPU, then moved and cast), so a
+test or `gpu-check` can build a fresh pipeline for its plain-diffusers reference that matches the engine's exactly.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from transformers import (
     T5EncoderModel,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 # The tiny preset's offline CLIP tokenizer (120 words, 12 tokens); the mini text encoders are sized to it.
-TOKENIZER = ROOT / "lora_manager" / "presets" / "tiny" / "model" / "tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[1] / "presets" / "tiny" / "model" / "tokenizer"
 VOCAB, MAX_TOKENS = 120, 12
 WIDTH = 16  # hidden size of every mini text encoder
 
@@ -56,16 +55,18 @@ def _vae(latent_channels: int, **kwargs) -> AutoencoderKL:
     )
 
 
-def _ready(pipe):
-    """Inference mode for every model (a model built from config starts in training mode) and no progress bars."""
+def _ready(pipe, dtype: torch.dtype, device: str | torch.device):
+    """Inference mode for every model (a model built from config starts in training mode), no progress bars, and
+    the weights moved and cast only once drawn, so every dtype and device starts from the same values."""
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval()
     pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return pipe.to(device=device, dtype=dtype)
 
 
-def mini_sdxl(seed: int = 0) -> StableDiffusionXLPipeline:
+def mini_sdxl(seed: int = 0, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> StableDiffusionXLPipeline:
     """SDXL's layout: DownBlock2D then two cross-attention blocks, 2 resnets a block, 1/1/2 transformer layers (the mid
     block takes the last), "text_time" added conditioning, CLIPTextModel + CLIPTextModelWithProjection."""
     with torch.random.fork_rng():
@@ -93,10 +94,10 @@ def mini_sdxl(seed: int = 0) -> StableDiffusionXLPipeline:
     return _ready(StableDiffusionXLPipeline(
         vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer,
         unet=unet, scheduler=scheduler, add_watermarker=False,
-    ))
+    ), dtype, device)
 
 
-def mini_flux(seed: int = 0) -> FluxPipeline:
+def mini_flux(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> FluxPipeline:
     """FLUX.1's layout: double-stream then single-stream blocks, guidance embedding, CLIP (pooled) + T5 (sequence).
 
     The T5 tokenizer is the CLIP one: FluxPipeline only needs ids below T5's vocabulary size from it.
@@ -124,4 +125,4 @@ def mini_flux(seed: int = 0) -> FluxPipeline:
     return _ready(FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer, transformer=transformer,
-    ))
+    ), dtype, device)
