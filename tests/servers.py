@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-READY_TIMEOUT_S = 300  # a local Ray instance and the replicas' pipelines, on a shared 2-core CPU
+READY_TIMEOUT_S = 300  # a local Ray instance and the replicas' pipelines, on a 2-core CPU
 
 
 @contextlib.contextmanager
@@ -35,7 +35,7 @@ def running_serve(args: list[str], port: int, log: Path) -> Iterator[str]:
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ray's driver shuts its local instance down on SIGINT
         try:
-            proc.wait(20)  # on this 2-core machine it had not exited after 60 s either: the group is killed next
+            proc.wait(20)  # waiting longer does not help a driver still up by then: the group is killed next
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

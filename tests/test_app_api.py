@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESET = os.environ.get("APP_TEST_PRESET", "tiny")
 CATALOG = Path(PRESET) if PRESET.endswith(".json") else ROOT / "lora_manager" / "presets" / PRESET / "catalog.json"
 PROMPT = "a red circle on a blue background"
-READY_TIMEOUT_S = 240  # the shared 2-core CPU can be slow to import torch + diffusers + gradio
+READY_TIMEOUT_S = 240  # a 2-core CPU can be slow to import torch + diffusers + gradio
 
 pytestmark = [pytest.mark.app,
               pytest.mark.skipif(not CATALOG.is_file(), reason=f"no catalog at {CATALOG} (tiny preset not built yet)")]
@@ -40,7 +40,7 @@ def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
         "GRADIO_ANALYTICS_ENABLED": "False",
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
-        "OMP_NUM_THREADS": "1",  # the shared CPU: one thread is faster than two here
+        "OMP_NUM_THREADS": "1",  # one thread is faster than two on a CPU other processes use too
         "LORA_PRESET": PRESET,
         **env_overrides,
     }

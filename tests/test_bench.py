@@ -1,6 +1,7 @@
 """The tiny-scale bench end to end through the CLI: a complete report, and the engine equal to diffusers' hotswap.
 
-No speed is asserted: timings on a shared CPU say nothing in a test; the README quotes real runs.
+No speed is asserted: timings depend on the machine and its load; docs/performance.md quotes measured runs with
+their commands.
 """
 
 from __future__ import annotations

@@ -129,10 +129,10 @@ def test_on_cuda_a_missing_c_compiler_for_triton_says_why(monkeypatch, tmp_path)
 @pytest.mark.compile
 @pytest.mark.app
 def test_startbench_starts_the_app_eager_and_from_the_shipped_bundle_without_compiling(tmp_path):
-    """`python -m lora_manager startbench`, the README's start-up measurement: an eager and a compiled `app.py`, each
-    on empty torch caches. The tiny preset ships a bundle per CPU kind (AVX512, AVX2), each built in another virtual
-    environment than the one running this test (the CI builds its own): every graph and every C++ kernel of the
-    compiled start must come from the one that fits this CPU."""
+    """`python -m lora_manager startbench`, the start-up measurement of docs/compile-cache.md: an eager and a
+    compiled `app.py`, each on empty torch caches. The tiny preset ships a bundle per CPU kind (AVX512, AVX2), each
+    built in another virtual environment than the one running this test (the CI builds its own): every graph and every
+    C++ kernel of the compiled start must come from the one that fits this CPU."""
     here = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 0, 0, 0, {})
     machine = ("torch", "capability", "toolchain", "machine")
     shipped = {}

@@ -281,9 +281,9 @@ def _components(mask):
 def dots_score(img):
     """Spectral power at the dot lattice (10 px: 6.4 cycles/image) along x AND along y.
 
-    The smaller of the two shares, so stripes (one direction only) score nothing. A count
-    of separate small blobs was tried first: it separates ground truth too, but misses
-    the model's dots wherever neighbours touch (a lattice of merged dots reads as one blob).
+    The smaller of the two shares, so stripes (one direction only) score nothing. Unlike a
+    count of separate small blobs, the lattice's power still sees the model's dots where
+    neighbours touch (a lattice of merged dots reads as one blob).
     """
     p = _power(img)
     along_x = p[(np.abs(_KX) >= 6) & (np.abs(_KX) <= 7) & (np.abs(_KY) <= 2)].sum()
@@ -355,8 +355,8 @@ def outline_score(img):
 
     The foreground is what lies far from the image's own border colour, not from the palette colour the prompt names:
     the model draws some backgrounds off the palette (a pale yellow, a greyish blue), and measured from the palette
-    all of such a background, or a fringe along the image's edge, read as shape, so that clearly hollow shapes scored
-    below solid ones (see README)."""
+    all of such a background, or a fringe along the image's edge, would read as shape, so that clearly hollow shapes
+    would score below solid ones."""
     fg = shapes.far_from(img, background_rgb(img))
     body = hull_body(fg)
     if body.sum() < 20:
@@ -494,7 +494,7 @@ def test_vae_round_trip_keeps_each_style(adapter):
 
 
 # One set of held-out runs is 20 prompts with one seed each, so one prompt moves a share by 5%; retraining an adapter
-# from other initial weights moved a share by as much as 28% (lora_manager/tiny_model/build.py, FULL_BUDGET).
+# from other initial weights moves its shares too (`init` in lora_manager/tiny_model/build.py).
 # STYLE_SEEDS=3 measures three seed sets (seed i, i + 100, i + 200) and holds each adapter to their mean.
 SEED_SETS = int(os.environ.get("STYLE_SEEDS", "1"))
 
@@ -542,8 +542,8 @@ ADAPTER_IDS = [a["id"] for a in CATALOG["adapters"] if a["id"] in DETECTORS]
 @pytest.mark.slow  # 80 generations per adapter
 @pytest.mark.parametrize("adapter", ADAPTER_IDS)
 def test_adapter_draws_its_style_and_keeps_the_prompt(adapter):
-    """Prints the README's row (pytest -s): detector without / at 0.5 / at 1, then each share (with STYLE_SEEDS > 1, a
-    row per seed set, then their mean)."""
+    """Prints the row of docs/embedded-model.md's table (pytest -s): detector without / at 0.5 / at 1, then each share
+    (with STYLE_SEEDS > 1, a row per seed set, then their mean)."""
     reports = [style_report(adapter, 100 * k) for k in range(SEED_SETS)]
     r = {key: float(np.mean([x[key] for x in reports])) for key in reports[0]}
     for x in [*reports, r] if len(reports) > 1 else [r]:

@@ -291,8 +291,8 @@ def open_package(path: str | Path):
     """The package's runner (`AOTICompiledModel`), without compiling anything.
 
     Not `torch._inductor.aoti_load_package`: on the CPU its `_load_aoti` calls `codecache.get_device_information`,
-    whose `cpu_vec_isa.pick_vec_isa()` builds small C++ probes with the host compiler (~8 s on a fresh 2-core machine,
-    and a compiler the serving machine should not need) only to log a warning on mismatch. The loader it then
+    whose `cpu_vec_isa.pick_vec_isa()` builds small C++ probes with the host compiler (seconds on a fresh machine, and
+    a compiler the serving machine should not need) only to log a warning on mismatch. The loader it then
     constructs is the one built here; the ISA check is done below from torch's own CPU capability instead."""
     from torch.export.pt2_archive._package import AOTICompiledModel
 

@@ -39,9 +39,8 @@ log = logging.getLogger(__name__)
 FOLDER = "compiled"  # inside a preset's folder
 MANIFEST = "bundle.json"
 # Inductor settings of every compile whose artifacts travel (the bundle build and a start from a bundle): no
-# precompiled header. Inductor builds that header (140 MB on the CPU, 7 s on 2 cores) before it looks a kernel up,
-# even one the bundle holds. A cold compile without it takes longer (tiny preset: 135 s vs 80 s), so a start that has
-# no bundle keeps it.
+# precompiled header. Inductor builds that header (140 MB on the CPU) before it looks a kernel up, even one the bundle
+# holds. A cold compile without it takes longer, so a start that has no bundle keeps it.
 OPTIONS = {"cpp_cache_precompile_headers": False}
 KERNEL = ".main.cpp"  # a CPU kernel's source in inductor's cache, named by its key; its binary is `.main.so`
 
@@ -149,7 +148,7 @@ def kernel_command(trust_isa: bool = False) -> str:
     `CppCodeCache.load_async` builds it for `async_compile.cpp_pybinding` (no separate kernel code, no extra flags,
     vector ISA always on for the CPU). It holds torch's include and library paths.
 
-    Picking the vector ISA builds and loads a test program per ISA the CPU lists (1.2 s here, once per process).
+    Picking the vector ISA builds and loads a test program per ISA the CPU lists (once per process).
     `trust_isa` skips those builds: `install` passes it for a bundle built with this CPU capability and compiler
     version, where the same ISAs already built and loaded."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache, pick_vec_isa  # compile machinery: only here

