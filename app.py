@@ -45,6 +45,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
@@ -53,6 +54,9 @@ from PIL import Image, ImageDraw  # noqa: E402
 from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
 from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, shorten  # noqa: E402
 from lora_manager.specs import DTYPE_NAMES  # noqa: E402
+from lora_manager.errors import UnknownAdapterError  # noqa: E402
+from lora_manager.request_schema import normalize_mix  # noqa: E402
+from lora_manager.serving.additions import Additions  # noqa: E402
 from lora_manager.serving.protocol import Engine  # noqa: E402
 from lora_manager.serving.remote import RemoteManager  # noqa: E402
 
@@ -175,23 +179,45 @@ def _adapter_id_for(engine: Engine, repo_id: str, weight_name: str | None) -> st
     return candidate
 
 
-# ---- handlers: module-level functions of the engine, bound to it by build_demo ------------------------------------
+# ---- handlers: module-level functions of the Space, bound to it by build_demo --------------------------------------
 
 
-def gallery_items(engine: Engine) -> list[tuple]:
+@dataclass(frozen=True)
+class Space:
+    """What the handlers serve: the engine, the adapters visitors added (`Additions`: whose each one is, and their
+    budget) and the cap on the size of a file a visitor may add (None: what the engine's template can hold)."""
+
+    engine: Engine
+    additions: Additions
+    max_adapter_bytes: int | None = None
+
+    def adapters(self, session: str) -> list[AdapterInfo]:
+        """The catalog's adapters and the additions this session may use, in registration order."""
+        return [a for a in self.engine.adapters() if self.additions.may_use(session, a.id)]
+
+
+def _session(request: gr.Request | None) -> str:
+    """The visitor's Gradio session ("" for a call without one, e.g. from Python)."""
+    return getattr(request, "session_hash", None) or ""
+
+
+def gallery_items(space: Space, request: gr.Request | None = None) -> list[tuple]:
+    engine = space.engine
     none = engine.asset_path("previews/none.png")
     items = [(str(none) if none else _placeholder("No adapter"), "No adapter")]
-    for a in engine.adapters():
+    for a in space.adapters(_session(request)):
         preview = engine.asset_path(a.spec.preview)
         items.append((str(preview) if preview else _placeholder(a.spec.display_name), a.spec.display_name))
     return items
 
 
-def generate(engine: Engine, prompt: str, adapter, strength: float, seed: int, steps: int | None,
-             progress=gr.Progress()):
+def generate(space: Space, prompt: str, adapter, strength: float, seed: int, steps: int | None,
+             request: gr.Request | None = None, progress=gr.Progress()):
     """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
     hotswap slot); `strength` applies to entries without their own; `steps` None for the preset's default.
-    Every value is checked by the engine's request schema. Returns the image and its info."""
+    Every value is checked by the engine's request schema; an adapter another visitor added is unknown here.
+    Returns the image and its info."""
+    engine, session = space.engine, _session(request)
     total = steps if type(steps) is int and steps > 0 else engine.generation_defaults.get("num_inference_steps", 1)
 
     def on_step(pipe, step, timestep, kwargs):
@@ -200,32 +226,46 @@ def generate(engine: Engine, prompt: str, adapter, strength: float, seed: int, s
 
     progress((0, total), desc="swapping adapter", unit="steps")
     try:
+        ids = [adapter_id for adapter_id, _ in normalize_mix(adapter, 1.0, engine.max_adapters)]
+        visible = [a.id for a in space.adapters(session)]
+        for adapter_id in ids:
+            if adapter_id not in visible:
+                raise UnknownAdapterError(f"Unknown adapter {shorten(adapter_id)}; available: {visible}.", adapter_id)
+        space.additions.touch(ids)
         result = engine.generate(prompt, adapter=adapter, strength=strength, seed=seed, steps=steps,
                                  callback_on_step_end=on_step)
     except LoraManagerError as e:
         raise gr.Error(str(e)) from e
     stats = engine.stats()
-    held = {a.id: a.bytes for a in engine.adapters() if a.status != "evicted"}
+    held = {a.id: a.bytes for a in space.adapters(session) if a.status != "evicted"}
     cache = {"adapters": held, "bytes": stats["cache_bytes"], "budget_bytes": stats["cache_budget_bytes"],
              "hits": stats["cache_hits"], "misses": stats["cache_misses"], "evictions": stats["cache_evictions"]}
     return result.image, {**result.info, "swap_ms_median": stats["swap_ms_median"], "cpu_cache": cache,
                           "compile_source": stats.get("compile_source"), "startup_s": engine.startup_s}
 
 
-def add_adapter(engine: Engine, repo_id: str, weight_name: str, progress=gr.Progress(track_tqdm=True)) -> str:
-    """Download a LoRA from the Hub, check it against the loaded template and register it; returns a status."""
+def add_adapter(space: Space, repo_id: str, weight_name: str, request: gr.Request | None = None,
+                progress=gr.Progress(track_tqdm=True)) -> str:
+    """Download a LoRA from the Hub, check it against the loaded template and register it for this visitor (for
+    everyone where additions are shared); returns a status. A file larger than the template can hold (or the
+    server's cap) is refused from its declared size, before it is downloaded."""
+    engine, session = space.engine, _session(request)
     repo_id = _text(repo_id, "Hub repo id", MAX_ID_CHARS)
     weight_name = _text(weight_name, "weight name", MAX_ID_CHARS) or None
     progress(0, desc=f"fetching {repo_id}")
     try:
-        info = engine.register(_adapter_id_for(engine, repo_id, weight_name), repo_id,
-                               weight_name=weight_name, allow_local=False)
+        space.additions.check_room(session)
+        adapter_id = _adapter_id_for(engine, repo_id, weight_name)
+        info = engine.register(adapter_id, repo_id, weight_name=weight_name, allow_local=False,
+                               max_bytes=engine.adapter_byte_limit(space.max_adapter_bytes))
+        for dropped in space.additions.add(session, adapter_id, info.bytes):
+            engine.unregister(dropped)
     except LoraManagerError as e:
         return f"**Refused:** {e}"
-    return f"**Added.** {_details(info)}  \nPick it in the gallery above."
+    return f"**Added** as `{info.id}`. {_details(info)}  \nPick it in the gallery above."
 
 
-def prepare(engine: Engine, prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra):
+def prepare(space: Space, prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra):
     """UI only: what /generate is sent: the adapters ([id, strength] per filled slot), the prompt (their triggers
     appended), strength, seed (fresh when randomize is on) and steps. `extra` holds the combine rows: id,
     strength, ... It refuses what is not text or a number, naming the field; /generate checks the ranges."""
@@ -235,7 +275,7 @@ def prepare(engine: Engine, prompt, adapter_id, strength, add_trigger, seed, ran
     mix = [[_text(i, "adapter", MAX_ID_CHARS), _float(s, "strength", strength)] for i, s in rows if i]
     for i, _ in mix if add_trigger is True else ():
         try:
-            trigger = engine.spec(i).trigger
+            trigger = space.engine.spec(i).trigger
         except LoraManagerError:  # unknown id: /generate reports it
             trigger = ""
         if trigger and trigger not in prompt:
@@ -245,16 +285,27 @@ def prepare(engine: Engine, prompt, adapter_id, strength, add_trigger, seed, ran
     return mix, prompt, seed, strength, seed, steps
 
 
-def adapter_choices(engine: Engine) -> list[tuple[str, str]]:
-    return [("none", "")] + [(a.spec.display_name, a.id) for a in engine.adapters()]
+def adapter_choices(space: Space, session: str) -> list[tuple[str, str]]:
+    return [("none", "")] + [(a.spec.display_name, a.id) for a in space.adapters(session)]
 
 
-def select(engine: Engine, strength: float, evt: gr.SelectData):
+def select(space: Space, strength: float, evt: gr.SelectData, request: gr.Request | None = None):
     """A gallery click: the adapter's id, its catalog strength and its details (the first tile is no adapter)."""
-    adapters = engine.adapters()
+    adapters = space.adapters(_session(request))
     index = evt.index if isinstance(evt.index, int) else 0
     a = adapters[index - 1] if 0 < index <= len(adapters) else None
     return (a.id if a else ""), (a.spec.strength if a else strength), _details(a)
+
+
+def refreshed_choices(space: Space, request: gr.Request | None = None) -> list:
+    """The combine rows' dropdowns after an addition: this visitor's adapters."""
+    choices = adapter_choices(space, _session(request))
+    return [gr.Dropdown(choices=choices) for _ in range(space.engine.max_adapters - 1)]
+
+
+def session_closed(space: Space, request: gr.Request | None = None) -> None:
+    """A visitor's tab closed: their additions go first when the additions' budget needs room."""
+    space.additions.close(_session(request))
 
 
 def strategies(repeats: int, progress=gr.Progress()):
@@ -276,12 +327,12 @@ def strategies(repeats: int, progress=gr.Progress()):
     return swaps.make_figure(report), rows, report
 
 
-def _bind(fn: Callable, engine: Engine) -> Callable:
-    """`fn` with the engine filled in, as Gradio should see it: the same name, docstring and parameters (minus
-    the engine), so its API page, `gr.Progress` and `gr.SelectData` work as for a plain function."""
+def _bind(fn: Callable, space: Space) -> Callable:
+    """`fn` with the Space filled in, as Gradio should see it: the same name, docstring and parameters (minus the
+    Space), so its API page, `gr.Progress`, `gr.Request` and `gr.SelectData` work as for a plain function."""
     @functools.wraps(fn)
     def bound(*args, **kwargs):
-        return fn(engine, *args, **kwargs)
+        return fn(space, *args, **kwargs)
 
     signature = inspect.signature(fn)
     bound.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
@@ -306,8 +357,9 @@ def _header(engine: Engine) -> str:
     )
 
 
-def _generate_tab(demo: gr.Blocks, engine: Engine) -> None:
+def _generate_tab(demo: gr.Blocks, space: Space) -> None:
     """The Generate tab and its events: gallery, prompt and settings, image and info, and "Add a LoRA"."""
+    engine = space.engine
     defaults, combine = engine.generation_defaults, engine.max_adapters > 1
     with gr.Row():
         with gr.Column(scale=3):
@@ -324,7 +376,7 @@ def _generate_tab(demo: gr.Blocks, engine: Engine) -> None:
                               elem_id="combine"):
                 for k in range(2, engine.max_adapters + 1):
                     with gr.Row():
-                        extra.append(gr.Dropdown(adapter_choices(engine), value="", label=f"adapter {k}",
+                        extra.append(gr.Dropdown(adapter_choices(space, ""), value="", label=f"adapter {k}",
                                                  elem_id=f"adapter-{k}"))
                         extra.append(gr.Slider(0, 2, 1.0, step=0.05, label=f"strength {k}"))
             prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2, elem_id="prompt")
@@ -356,21 +408,22 @@ def _generate_tab(demo: gr.Blocks, engine: Engine) -> None:
         add = gr.Button("Add", elem_id="add")
         status = gr.Markdown(label="status", elem_id="add-status")
 
-    gallery_of = _bind(gallery_items, engine)
+    gallery_of = _bind(gallery_items, space)
     demo.load(gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden")
-    gallery.select(_bind(select, engine), strength, [adapter_id, strength, details], api_visibility="private")
-    (run.click(_bind(prepare, engine), [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
+    demo.unload(_bind(session_closed, space))
+    gallery.select(_bind(select, space), strength, [adapter_id, strength, details], api_visibility="private")
+    (run.click(_bind(prepare, space), [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
                [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps], api_visibility="private",
                queue=False)
-        # ZeroGPU pickles a GPU function's arguments into its worker: the engine is bound before `gpu`, not passed
-        .success(gpu(_bind(generate, engine)), [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
+        # ZeroGPU pickles a GPU function's arguments into its worker: the Space is bound before `gpu`, not passed
+        .success(gpu(_bind(generate, space)), [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
                  [image, info], api_name="generate", concurrency_limit=GENERATE_CONCURRENCY)
         .then(info_markdown, info, panel, api_visibility="private", queue=False))
-    added = (add.click(_bind(add_adapter, engine), [repo_id, weight_name], status, api_name="add_adapter")
+    added = (add.click(_bind(add_adapter, space), [repo_id, weight_name], status, api_name="add_adapter")
              .then(gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
     if extra:
-        refresh = lambda: [gr.Dropdown(choices=adapter_choices(engine)) for _ in extra[::2]]  # noqa: E731
-        added.then(refresh, None, extra[::2], api_visibility="private", queue=False, show_progress="hidden")
+        added.then(_bind(refreshed_choices, space), None, extra[::2], api_visibility="private", queue=False,
+                   show_progress="hidden")
 
 
 def _strategies_tab() -> None:
@@ -391,12 +444,15 @@ def _strategies_tab() -> None:
     measure.click(strategies, repeats, [plot, table, report], api_name="strategies")
 
 
-def build_demo(engine: Engine) -> gr.Blocks:
-    """The Blocks app over `engine` (`LoraManager` in-process or `RemoteManager`); the caller queues and launches."""
+def build_demo(engine: Engine, additions: Additions | None = None, max_adapter_bytes: int | None = None) -> gr.Blocks:
+    """The Blocks app over `engine` (`LoraManager` in-process or `RemoteManager`), with visitors' additions kept by
+    `additions` (default: per visitor, `Additions()`'s limits) and capped at `max_adapter_bytes` a file; the caller
+    queues and launches."""
+    space = Space(engine, additions or Additions(), max_adapter_bytes)
     with gr.Blocks(title="LoRA hotswap") as demo:
         gr.Markdown(_header(engine))
         with gr.Tab("Generate"):
-            _generate_tab(demo, engine)
+            _generate_tab(demo, space)
         with gr.Tab("Strategies"):
             _strategies_tab()
     return demo
@@ -427,6 +483,11 @@ def _env_bool(name: str) -> bool | None:
     return None if value in ("", "auto") else value in ("1", "true", "yes", "on")
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default=os.environ.get("LORA_PRESET", "tiny"),
@@ -444,6 +505,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hotswap slots: LoRAs one request can combine (env LORA_SLOTS; default 2)")
     p.add_argument("--max-batch", type=int, default=int(os.environ.get("LORA_MAX_BATCH", 4)),
                    help="requests run in one pipeline call, whatever their LoRAs (env LORA_MAX_BATCH; default 4)")
+    p.add_argument("--max-adapter-mb", type=int, default=_env_int("LORA_MAX_ADAPTER_MB"),
+                   help="largest LoRA file a visitor may add, MiB (env LORA_MAX_ADAPTER_MB; default: what the template "
+                        "can hold)")
+    p.add_argument("--additions-per-visitor", type=int, default=_env_int("LORA_ADDITIONS_PER_VISITOR") or 4,
+                   help="LoRAs one visitor may add (env LORA_ADDITIONS_PER_VISITOR; default 4)")
+    p.add_argument("--max-additions", type=int, default=_env_int("LORA_MAX_ADDITIONS") or 16,
+                   help="visitors' additions kept in all; the least recently used go first (env LORA_MAX_ADDITIONS)")
+    p.add_argument("--additions-mb", type=int, default=_env_int("LORA_ADDITIONS_MB") or 2048,
+                   help="MiB all visitors' additions may hold, in memory and on disk (env LORA_ADDITIONS_MB)")
+    p.add_argument("--shared-additions", action=argparse.BooleanOptionalAction,
+                   default=bool(_env_bool("LORA_SHARED_ADDITIONS")),
+                   help="every visitor sees every addition (env LORA_SHARED_ADDITIONS=1; default: per visitor)")
     p.add_argument("--backend", choices=("local", "ray"), default=os.environ.get("LORA_BACKEND", "local"),
                    help="local: the engine in this process; ray: a `python -m lora_manager serve` deployment")
     p.add_argument("--ray-url", default=os.environ.get("LORA_RAY_URL", "http://127.0.0.1:8000"),
@@ -476,7 +549,10 @@ def main(argv: list[str] | None = None) -> None:
     launch_t0 = time.time()
     for adapter_id, reason in manager.errors.items():
         print(f"skipped adapter {adapter_id}: {reason}", flush=True)
-    demo = build_demo(manager)
+    additions = Additions(per_session=args.additions_per_visitor, max_count=args.max_additions,
+                          max_bytes=args.additions_mb * 2**20, shared=args.shared_additions)
+    cap = args.max_adapter_mb * 2**20 if args.max_adapter_mb is not None else None
+    demo = build_demo(manager, additions, cap)
     demo.queue(default_concurrency_limit=1, max_size=64)
     previews = {str(p.parent) for a in manager.adapters() if (p := manager.asset_path(a.spec.preview))}
     none = manager.asset_path("previews/none.png")

@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from .adapters.catalog import load_preset, resolve_base_model
 from .adapters.inspection import ATTENTION
 from .adapters.reader import AdapterWeights, read_adapter
-from .adapters.sources import resolve
+from .adapters.sources import hub_cache_files, is_local_source, remove_files, resolve
 from .adapters.store import AdapterStore
 from .adapters.validate import check_adapter
 from .errors import LoraManagerError, UnknownAdapterError
@@ -36,6 +36,7 @@ from .specs import DTYPE_NAMES, AdapterInfo, AdapterSpec, Catalog, Result
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 4 * 2**30  # ~20 SDXL rank-64 LoRAs; the live adapter is always kept
+TEMPLATE_MARGIN = 1.25  # a file's header, alpha tensors and fp32 padding on top of its template-sized tensors
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class _Registered:
     nbytes: int
     has_text_encoder: bool
     format: str
+    downloaded: frozenset[Path] = frozenset()  # Hub cache files its registration fetched (deleted by `unregister`)
 
 
 class LoraManager:
@@ -230,19 +232,59 @@ class LoraManager:
         weight_name: str | None = None,
         revision: str | None = None,
         allow_local: bool = True,
+        max_bytes: int | None = None,
         **spec_fields,
     ) -> AdapterInfo:
-        """Fetch, read and check an adapter against the prepared template, then keep it in the CPU cache."""
+        """Fetch, read and check an adapter against the prepared template, then keep it in the CPU cache.
+
+        Args:
+            adapter_id: the id requests name it by.
+            source: a Hub repo id or a local .safetensors path, relative to the working directory (`allow_local=False`
+                refuses paths).
+            weight_name, revision: the file in the repo, and the revision to pin.
+            max_bytes: refuse a larger file; a Hub file from its declared size, before any byte is downloaded
+                (`adapter_byte_limit()` is what the template can hold). What a refused Hub file downloaded is
+                removed from the Hub cache again, unless it was cached before.
+        """
+        if allow_local and is_local_source(source):  # a path the caller typed is relative to their working directory
+            source = str(Path(source).expanduser().absolute())
         spec = AdapterSpec(id=adapter_id, source=source, weight_name=weight_name, revision=revision, **spec_fields)
         known = self._registered.get(adapter_id)
         if known is not None and (known.spec.source, known.spec.weight_name) != (source, weight_name):
             raise LoraManagerError(f"Adapter id {adapter_id!r} is already used for {known.spec.source!r}.", adapter_id)
-        reg, weights = self._read(spec, allow_local, template=self.slots[0].keys, target_rank=self.target_rank)
+        cached = hub_cache_files(source)
+        try:
+            reg, weights = self._read(spec, allow_local, template=self.slots[0].keys, target_rank=self.target_rank,
+                                      max_bytes=max_bytes)
+        except BaseException:
+            remove_files(hub_cache_files(source) - cached)
+            raise
+        downloaded = frozenset(hub_cache_files(source) - cached) | (known.downloaded if known else frozenset())
         with self._lock:
             self.store.put(adapter_id, weights)
-            self._registered[adapter_id] = reg
+            self._registered[adapter_id] = replace(reg, downloaded=downloaded)
             self.errors.pop(adapter_id, None)
         return self._info(adapter_id)
+
+    def unregister(self, adapter_id: str) -> None:
+        """Forget an adapter: no request can name it any more, its CPU-cache entry goes (once it is not live), and
+        the Hub cache files its registration downloaded are deleted unless another adapter reads the same file."""
+        with self._lock:
+            reg = self._require(adapter_id)
+            del self._registered[adapter_id]
+            if adapter_id not in self._live:
+                self.store.discard(adapter_id)
+            shared = {(r.spec.source, r.spec.weight_name, r.spec.revision) for r in self._registered.values()}
+            if (reg.spec.source, reg.spec.weight_name, reg.spec.revision) not in shared:
+                remove_files(set(reg.downloaded))
+
+    def adapter_byte_limit(self, cap_bytes: int | None = None) -> int:
+        """The largest adapter file worth fetching: what the template could hold (rank `target_rank` on every module
+        of its union, text encoder included, 4 bytes a value), with room for the file's header and alphas, or
+        `cap_bytes` if smaller."""
+        values = sum(m.A.numel() + m.B.numel() for m in self.slots[0].modules.values())
+        limit = int(values * 4 * TEMPLATE_MARGIN) + 2**20
+        return min(limit, cap_bytes) if cap_bytes is not None else limit
 
     def adapters(self) -> list[AdapterInfo]:
         with self._lock:
@@ -499,8 +541,9 @@ class LoraManager:
             weights = self.store.put(adapter_id, weights)
         return weights
 
-    def _read(self, spec: AdapterSpec, allow_local: bool, template, target_rank) -> tuple[_Registered, AdapterWeights]:
-        path = resolve(spec.source, spec.id, spec.weight_name, spec.revision, allow_local, self._root)
+    def _read(self, spec: AdapterSpec, allow_local: bool, template, target_rank,
+              max_bytes: int | None = None) -> tuple[_Registered, AdapterWeights]:
+        path = resolve(spec.source, spec.id, spec.weight_name, spec.revision, allow_local, self._root, max_bytes)
         weights = read_adapter(path, spec.id, type(self.pipe), self.components, self.dtype)
         self.store.check_fits(spec.id, weights)
         check_adapter(spec.id, weights, self.components, template, target_rank)

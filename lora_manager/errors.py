@@ -15,6 +15,10 @@ class AdapterSourceError(LoraManagerError):
     """The source cannot be resolved: bad repo id or path, missing file, pickle file, Hub error."""
 
 
+class AdapterTooLargeError(AdapterSourceError):
+    """The file is larger than the limit for an adapter: refused before it is downloaded."""
+
+
 class AdapterFormatError(LoraManagerError):
     """The file is not a readable LoRA safetensors file of a supported kind."""
 

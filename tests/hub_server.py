@@ -8,6 +8,7 @@ Serves, on 127.0.0.1 with a free port, for repos held in memory:
 - `GET /api/models/{repo_id}[/revision/{revision}]`: `HfApi.model_info` (`sha` and `siblings`).
 - `GET /api/models/{repo_id}/tree/{revision}`: `HfApi.list_repo_tree` / `list_repo_files`.
 
+`Repo.declared_sizes` makes HEAD declare another size than a file has (a huge file, without serving its bytes).
 Errors use the headers `hf_raise_for_status` maps to exceptions: `X-Error-Code: RepoNotFound` (404, or 401 for a
 private repo asked without its token), `RevisionNotFound`, `EntryNotFound`. Fault modes, per repo (`Repo.fault`) or
 per file (`Repo.file_faults`): "500" (HTTP 500), "hang" (no answer for `hang_s` seconds, or until the server
@@ -41,6 +42,7 @@ class Repo:
     token: str | None = None
     fault: str | None = None
     file_faults: dict[str, str] = field(default_factory=dict)
+    declared_sizes: dict[str, int] = field(default_factory=dict)  # what HEAD says a file's size is, if not its own
 
     def __post_init__(self):
         for mode in (self.fault, *self.file_faults.values()):
@@ -252,9 +254,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("ETag", f'"{etag}"')
         self.send_header("X-Linked-Etag", f'"{etag}"')
-        self.send_header("X-Linked-Size", str(len(data)))
+        size = repo.declared_sizes.get(filename, len(data)) if head else len(data)
+        self.send_header("X-Linked-Size", str(size))
         self.send_header("X-Repo-Commit", commit)
-        self.send_header("Content-Length", str(len(data) - start))
+        self.send_header("Content-Length", str(size - start))
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()

@@ -177,3 +177,15 @@ def test_a_packed_adapter_is_one_buffer_counted_as_the_cuda_host_allocator_holds
     held = held_bytes(weights, pinned=True)
     assert held >= size > held // 2 and held & (held - 1) == 0
     assert held_bytes(weights, pinned=False) == weights.nbytes
+
+
+def test_unregister_forgets_an_adapter_and_keeps_the_others_serving(adapter_dir, references):
+    with LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn", "r7_conv", "r6_te"))) as m:
+        m.register("extra", str(adapter_dir / "r4_kohya_te.safetensors"))
+        m.generate(PROMPT, adapter="extra", steps=1)
+        m.generate(PROMPT, adapter="r4_attn", steps=1)  # "extra" is no longer live
+        m.unregister("extra")
+        assert "extra" not in {a.id for a in m.adapters()} and "extra" not in m.store
+        with pytest.raises(UnknownAdapterError, match="Unknown adapter 'extra'"):
+            m.generate(PROMPT, adapter="extra")
+        assert_same_image(as_float(m, "r7_conv"), references("r7_conv", 1.0))

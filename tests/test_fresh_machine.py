@@ -60,7 +60,8 @@ def test_app_generate_from_a_forked_child_equals_the_parent(manager, monkeypatch
     monkeypatch.setattr(app, "gpu", _pickling_gpu)
     demo = app.build_demo(manager)
     handler = next(f.fn for f in demo.fns.values() if f.api_name == "generate")
-    assert list(inspect.signature(handler).parameters) == ["prompt", "adapter", "strength", "seed", "steps", "progress"]
+    assert list(inspect.signature(handler).parameters) == ["prompt", "adapter", "strength", "seed", "steps", "request",
+                                                           "progress"]
     manager.generate(PROMPT, adapter="r4_attn", steps=1)  # the worker thread has run before the fork
     ctx = multiprocessing.get_context("fork")
     parent_end, child_end = ctx.Pipe(duplex=False)

@@ -25,7 +25,7 @@ from huggingface_hub import constants as hf_constants
 from hub_server import HubServer, Repo, commit_of
 from safetensors.torch import load_file, save_file
 
-from lora_manager.errors import AdapterSourceError
+from lora_manager.errors import AdapterSourceError, AdapterTooLargeError, LoraManagerError
 from lora_manager.adapters.sources import resolve
 
 TOKEN = "hf_localtestTOKENdoNotLeak0123456789"
@@ -349,3 +349,37 @@ def test_local_file_resolves_without_the_hub(hub, net, tmp_path, blobs):
     err = resolve_error(str(tmp_path / "absent.safetensors"), "loc")
     assert "no such file" in str(err)
     assert hub.requests == [] and net == []
+
+
+# -- sizes ---------------------------------------------------------------------------------------------------------
+def test_a_file_over_max_bytes_is_refused_from_its_declared_size(hub, blobs, tmp_path):
+    """The size comes from the metadata request: a refused Hub file is never fetched; a local one is not read."""
+    hub.repos["owner/huge"] = Repo({"main": {"lora.safetensors": blobs["a"]}},
+                                   declared_sizes={"lora.safetensors": 3 * 2**30})
+    with pytest.raises(AdapterTooLargeError, match=r"'ad': lora.safetensors is 3072.0 MiB, more than the 1.0 MiB"):
+        resolve("owner/huge", "ad", max_bytes=2**20)
+    assert resolve_paths(hub, "owner/huge", "GET") == [] and snapshot_files("owner/huge") == []
+    assert resolve("owner/lora", "ad", max_bytes=len(blobs["a"])).read_bytes() == blobs["a"]  # at the limit: served
+    local = tmp_path / "big.safetensors"
+    local.write_bytes(blobs["big"])
+    with pytest.raises(AdapterTooLargeError, match="big.safetensors is"):
+        resolve(str(local), "ad", max_bytes=len(blobs["big"]) - 1)
+
+
+def test_an_adapter_refused_after_download_leaves_the_cache_as_it_was(hub, blobs, adapter_dir):
+    """`register` deletes what a refused Hub file brought into the cache, and keeps what was there before."""
+    from conftest import load_tiny, make_catalog
+
+    from lora_manager import LoraManager
+
+    hub.repos["owner/zeros"] = Repo({"main": {"lora.safetensors": bytes(4096)}})
+    m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn",)))
+    before = snapshot_files("owner/lora")
+    resolve("owner/lora", "ad", weight_name="lora.safetensors")  # cached before the refusal
+    with pytest.raises(LoraManagerError):
+        m.register("zeros", "owner/zeros")
+    assert resolve_paths(hub, "owner/zeros", "GET") and not list(cache_dir().glob("models--owner--zeros/blobs/*"))
+    with pytest.raises(LoraManagerError):  # the file is a LoRA for another model: refused, but was cached before
+        m.register("other", "owner/lora", weight_name="lora.safetensors")
+    assert len(snapshot_files("owner/lora")) == len(before) + 1
+    assert m.adapter_byte_limit() > 2**20 and m.adapter_byte_limit(2**20) == 2**20

@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.file_download import repo_folder_name
 
-from ..errors import AdapterSourceError
+from ..errors import AdapterSourceError, AdapterTooLargeError
 from .reader import PICKLE_SUFFIXES, check_file_name
 
 # The Hub's own rule: "owner/name", letters, digits, '-', '_', '.', no '--' or '..', no leading/trailing '-' or '.'.
@@ -68,8 +68,10 @@ def resolve(
     revision: str | None = None,
     allow_local: bool = True,
     base_dir: Path | None = None,
+    max_bytes: int | None = None,
 ) -> Path:
-    """Return a local path to the adapter's safetensors file, downloading it into the Hub cache if needed."""
+    """Return a local path to the adapter's safetensors file, downloading it into the Hub cache if needed. A file
+    larger than `max_bytes` is refused: a Hub file from the size its metadata declares, before any byte of it."""
     check_repo_id(source, adapter_id, allow_local)
     if is_local_source(source) or "\\" in source:
         path = Path(source).expanduser()
@@ -80,16 +82,42 @@ def resolve(
         check_file_name(path, adapter_id)
         if not path.is_file():
             raise AdapterSourceError(f"Adapter {adapter_id!r}: no such file {path}.", adapter_id)
+        check_size(path.stat().st_size, max_bytes, adapter_id, path.name)
         return path
     try:
         if weight_name is None:
             weight_name = _single_safetensors(source, adapter_id, revision)
         check_file_name(Path(weight_name), adapter_id)
-        return _download(source, weight_name, revision)
+        return _download(source, weight_name, revision, adapter_id, max_bytes)
     except (AdapterSourceError,):
         raise
     except Exception as e:
         raise _hub_error(e, source, adapter_id, weight_name, revision) from e
+
+
+def check_size(nbytes: int | None, max_bytes: int | None, adapter_id: str, name: str) -> None:
+    """Refuse a file larger than `max_bytes`, naming both sizes."""
+    if max_bytes is not None and nbytes is not None and nbytes > max_bytes:
+        raise AdapterTooLargeError(
+            f"Adapter {adapter_id!r}: {name} is {nbytes / 2**20:.1f} MiB, more than the {max_bytes / 2**20:.1f} MiB "
+            "limit for an adapter here (the largest LoRA the loaded template can hold, or the server's cap); it was "
+            "not downloaded.",
+            adapter_id,
+        )
+
+
+def hub_cache_files(source: str) -> set[Path]:
+    """Every file and link the local Hub cache holds for a Hub repo (blobs, snapshot entries, refs); none for a path."""
+    if is_local_source(source) or not REPO_ID.match(source):
+        return set()
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=source, repo_type="model")
+    return {p for p in storage.rglob("*") if p.is_file() or p.is_symlink()} if storage.is_dir() else set()
+
+
+def remove_files(paths: set[Path]) -> None:
+    """Delete Hub cache entries (what a refused or dropped addition downloaded), snapshot links before blobs."""
+    for path in sorted(paths, key=lambda p: not p.is_symlink()):
+        path.unlink(missing_ok=True)
 
 
 def _timeout() -> float:
@@ -99,19 +127,25 @@ def _timeout() -> float:
     return HUB_TIMEOUT_S
 
 
-def _download(repo_id: str, filename: str, revision: str | None) -> Path:
-    """hf_hub_download behind one bounded metadata request; a failed request falls back to the cache, else raises."""
+def _download(repo_id: str, filename: str, revision: str | None, adapter_id: str, max_bytes: int | None) -> Path:
+    """hf_hub_download behind one bounded metadata request, which also gives the file's size (checked against
+    `max_bytes` before any byte is fetched); a failed request falls back to the cache, else raises."""
     if not constants.is_offline_mode():
         try:
-            get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), timeout=_timeout())
+            meta = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), timeout=_timeout())
         except (RevisionNotFoundError, RemoteEntryNotFoundError):
             raise
         except Exception as e:  # timeout, connection, 5xx, 401: the cached file, if any, is still good
             try:
-                return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=True))
+                path = Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=True))
             except LocalEntryNotFoundError:
                 raise e from None
-    return Path(hf_hub_download(repo_id, filename, revision=revision, etag_timeout=_timeout()))
+            check_size(path.stat().st_size, max_bytes, adapter_id, filename)
+            return path
+        check_size(meta.size, max_bytes, adapter_id, filename)
+    path = Path(hf_hub_download(repo_id, filename, revision=revision, etag_timeout=_timeout()))
+    check_size(path.stat().st_size, max_bytes, adapter_id, filename)
+    return path
 
 
 def _cached_files(repo_id: str, revision: str | None) -> list[str] | None:

@@ -87,6 +87,11 @@ class AdapterStore:
         self._held[adapter_id] = held
         return weights
 
+    def discard(self, adapter_id: str) -> None:
+        """Remove an entry that is not pinned (an unregistered adapter); nothing happens to a pinned or absent one."""
+        if adapter_id in self._entries and adapter_id not in self._pinned:
+            self._drop(adapter_id)
+
     def _drop(self, adapter_id: str) -> None:
         weights = self._entries.pop(adapter_id)
         del self._held[adapter_id]

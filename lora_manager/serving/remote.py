@@ -61,6 +61,14 @@ class RemoteManager:
             "it to the preset's catalog and redeploy.", adapter_id,
         )
 
+    def unregister(self, adapter_id: str) -> None:
+        raise LoraManagerError(f"Adapter {adapter_id!r}: the Ray backend serves its deployment's catalog only.",
+                               adapter_id)
+
+    def adapter_byte_limit(self, cap_bytes: int | None = None) -> int:
+        """Nothing is added through this backend (`register` refuses); the cap as given."""
+        return cap_bytes or 0
+
     def generate(self, prompt: str, adapter=None, strength: float = 1.0, seed: int = 0, steps: int | None = None,
                  **_) -> Result:
         """POST /generate. Per-step callbacks do not cross the network: progress shows start and end only."""
