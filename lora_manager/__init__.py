@@ -1,7 +1,11 @@
 """lora_manager: serve a diffusers pipeline with many LoRAs, one per request, hotswapped without recompiling."""
 
-from .engine import LoraManager
-from .errors import (
+from .quiet import silence_import_notices
+
+silence_import_notices()  # before diffusers is imported below
+
+from .engine import LoraManager  # noqa: E402
+from .errors import (  # noqa: E402
     AdapterFormatError,
     AdapterIncompatibleError,
     AdapterSourceError,
@@ -13,7 +17,7 @@ from .errors import (
     RequestError,
     UnknownAdapterError,
 )
-from .specs import AdapterInfo, AdapterSpec, Catalog, Result
+from .specs import AdapterInfo, AdapterSpec, Catalog, Result  # noqa: E402
 
 __all__ = [
     "AdapterFormatError",

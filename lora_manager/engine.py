@@ -29,6 +29,7 @@ from .hotswap.batched import BatchRows
 from .hotswap.plan import assign_slots, plan_resident
 from .hotswap.slot import DevicePrefetch, LiveSlot, sync
 from .hotswap.template import BATCH_DIM, compile_denoiser, prepare_template
+from .quiet import quiet_loads
 from .request_schema import Mix, check_request, shorten
 from .scheduler import Request, Scheduler
 from .specs import DTYPE_NAMES, AdapterInfo, AdapterSpec, Catalog, Result
@@ -216,7 +217,8 @@ class LoraManager:
         catalog, root = load_preset(name)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, catalog.torch_dtype, device)
-        pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
+        with quiet_loads():
+            pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
         loaded = time.perf_counter() - t0
         manager = cls(pipe, catalog, compile=compile, catalog_root=root, **kwargs)

@@ -127,9 +127,9 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_app(app: Path, args: Sequence[str], env: dict[str, str], timeout_s: float,
                 python: str = sys.executable) -> Iterator[tuple[str, str]]:
-    """Start `python app.py` (with the interpreter `python`) on 127.0.0.1 at a free port; yield its URL and its
-    "ready in" line once it prints it, then stop it. Its output goes to a file, so an app left running never blocks on a
-    full pipe."""
+    """Start `python app.py` (with the interpreter `python`) on 127.0.0.1 at a free port; yield its URL and what it
+    printed up to its "ready in" line (that line last) once it prints it, then stop it. Its output goes to a file, so
+    an app left running never blocks on a full pipe."""
     port = free_port()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([python, str(app), "--host", "127.0.0.1", "--port", str(port), *args],
@@ -139,7 +139,9 @@ def running_app(app: Path, args: Sequence[str], env: dict[str, str], timeout_s: 
             while True:
                 log.seek(0)
                 text = log.read()
-                if ready := next((line for line in text.splitlines() if "ready in" in line), None):
+                start = text.find("ready in")
+                if start >= 0 and (end := text.find("\n", start)) >= 0:
+                    ready = text[:end]  # everything printed up to the end of the ready line
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"app.py did not start (rc={proc.poll()}):\n{text[-4000:]}")

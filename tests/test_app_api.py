@@ -45,9 +45,18 @@ def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
         **env_overrides,
     }
     env.pop("LORA_COMPILE", None)
-    with testing.running_app(ROOT / "app.py", args, env, READY_TIMEOUT_S) as (url, ready):
-        print(ready)
+    with testing.running_app(ROOT / "app.py", args, env, READY_TIMEOUT_S) as (url, output):
+        print(output.splitlines()[-1])
         yield url
+
+
+def test_the_app_prints_nothing_but_its_own_lines_before_ready():
+    """No third-party warning, progress bar or load report before "ready": only Gradio's URL lines and the app's."""
+    with testing.running_app(ROOT / "app.py", [], {**os.environ, "HF_HUB_OFFLINE": "1", "LORA_PRESET": PRESET},
+                             READY_TIMEOUT_S) as (_, output):
+        lines = output.splitlines()
+    assert lines[-1].startswith("ready in ") and all(
+        line.startswith(("* Running on local URL", "* To create a public link")) for line in lines[:-1]), output
 
 
 @pytest.fixture(scope="module")

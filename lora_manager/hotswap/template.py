@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..adapters.validate import lora_shapes
+from ..quiet import quiet_loads
 from .batched import BatchRows, GatheredLora, install
 from .slot import LiveSlot
 
@@ -55,11 +56,12 @@ def prepare_template(
     for name in names:  # a fresh state dict each time: a load may keep the tensors it is given
         sd = template_state_dict(components, keys, rank, dtype)
         # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors, and swaps would write into them.
-        if hasattr(target, "load_lora_weights"):
-            target.load_lora_weights(sd, adapter_name=name, low_cpu_mem_usage=False)
-        else:
-            (prefix,) = components
-            target.load_lora_adapter(sd, prefix=prefix, adapter_name=name, low_cpu_mem_usage=False)
+        with quiet_loads():
+            if hasattr(target, "load_lora_weights"):
+                target.load_lora_weights(sd, adapter_name=name, low_cpu_mem_usage=False)
+            else:
+                (prefix,) = components
+                target.load_lora_adapter(sd, prefix=prefix, adapter_name=name, low_cpu_mem_usage=False)
     gathered = install(components, names, rows) if rows is not None else {}
     if rows is None and slots > 1:
         # diffusers activates only the last adapter loaded. set_adapters writes float scalings, so it runs before
