@@ -5,7 +5,7 @@ runs end to end, offline, on a copy: the committed notebook and JSON keep what t
 from __future__ import annotations
 
 import importlib.util
-import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,9 +17,12 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOK = NOTEBOOKS / "lora_hotswap_tutorial.ipynb"
 RESULTS = NOTEBOOKS / "figures" / "results.json"
 README = NOTEBOOKS.parent / "README.md"
-# Per cell. The whole notebook is meant to run within 5 minutes on 2 shared CPU cores with a cold inductor cache (the
-# committed run: 256 s, its longest cells the compile at about 90 s and the recompile demo at about 55 s).
+# Per cell: room for the longest cell (the README recipe, with the notebook's one inductor compile) on 2 CPU cores
+# with a cold inductor cache.
 CELL_TIMEOUT_S = 300
+RECIPE_HEADING = "## Plain diffusers recipe"
+# Markdown words a reader goes through before the pitfalls and deep dives (the main path).
+MAIN_PATH_WORDS = 1500
 
 
 def _module(name: str):
@@ -42,6 +45,33 @@ def test_notebook_matches_its_generator():
     build = _module("build_notebook")
     committed = nbformat.read(NOTEBOOK, as_version=4)
     assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in build.CELLS]
+
+
+def _readme_recipe() -> str:
+    """The ```python block under README.md's recipe heading (what tests/test_recipe.py runs)."""
+    section = README.read_text().split(f"\n{RECIPE_HEADING}\n", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_recipe_cell_is_the_readme_recipe():
+    """Section 2 runs the README's recipe as printed: exactly one code cell of the committed notebook is the block
+    under "## Plain diffusers recipe" (less its final newline), so the two cannot drift apart."""
+    committed = nbformat.read(NOTEBOOK, as_version=4)
+    recipe = _readme_recipe().removesuffix("\n")
+    assert [c.source for c in committed.cells if c.cell_type == "code"].count(recipe) == 1
+
+
+def test_main_path_is_short():
+    """The markdown before the pitfalls and deep dives reads in about ten minutes."""
+    words = 0
+    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
+        if cell.cell_type != "markdown":
+            continue
+        before, *rest = re.split(r"^## (?:\d+\. Pitfalls|Deep dive)", cell.source, flags=re.M)
+        words += len(before.split())
+        if rest:
+            break
+    assert words <= MAIN_PATH_WORDS, words
 
 
 def test_readme_blocks_are_the_committed_results():
@@ -84,6 +114,6 @@ def test_notebook_runs_offline(tmp_path, monkeypatch):
     fresh, committed = fill.load(results), fill.load(RESULTS)
     assert _recap_markdown(nb) == fill.results_table(fresh)
     assert [r["key"] for r in fresh["results"]] == [r["key"] for r in committed["results"]]
-    for name, render in fill.BLOCKS.items():
+    for render in fill.BLOCKS.values():
         render(fresh)  # a fresh run can fill every README block
     assert (NOTEBOOK.read_bytes(), RESULTS.read_bytes()) == before, "the committed notebook or results were modified"
