@@ -1,13 +1,15 @@
 """Gradio Space for lora_manager: one pipeline, many LoRAs chosen per request, hotswapped without recompiling.
 
-    python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--dtype float16|bfloat16|float32] [--compile/--no-compile] [--target-rank N] [--cache-mb N]
-                  [--slots K] [--max-batch B] [--aot-package FILE] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860]
+    python app.py [--preset tiny|sd15|sdxl|flux|path.json] [--dtype float16|bfloat16|float32]
+                  [--compile/--no-compile] [--target-rank N] [--cache-mb N] [--slots K] [--max-batch B]
+                  [--aot-package FILE] [--backend local|ray --ray-url URL] [--host 127.0.0.1] [--port 7860]
                   [--share]
 
 Env fallbacks: LORA_PRESET, LORA_DTYPE, LORA_COMPILE (1/0; unset = on for CUDA only), LORA_SLOTS, LORA_MAX_BATCH,
-GRADIO_SERVER_NAME, GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt, adapter, strength, seed, steps) -> (image, info), where adapter is '' (none),
-an id, or a list of ids or [id, strength] pairs (up to K), and `/add_adapter` (repo_id, weight_name) -> status. All logic
-lives in lora_manager; this file only wires it.
+GRADIO_SERVER_NAME, GRADIO_SERVER_PORT. The UI and the API share one function per action: `/generate` (prompt,
+adapter, strength, seed, steps) -> (image, info), where adapter is '' (none), an id, or a list of ids or [id, strength]
+pairs (up to K), and `/add_adapter` (repo_id, weight_name) -> status. All logic lives in lora_manager; this file only
+wires it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ try:
 
     gpu = spaces.GPU
 except ImportError:
+
     def gpu(fn=None, **_):
         return fn if fn is not None else (lambda f: f)
+
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -52,13 +56,12 @@ import gradio as gr  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
 from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
-from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, shorten  # noqa: E402
-from lora_manager.specs import DTYPE_NAMES  # noqa: E402
 from lora_manager.errors import UnknownAdapterError  # noqa: E402
-from lora_manager.request_schema import normalize_mix  # noqa: E402
+from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, normalize_mix, shorten  # noqa: E402
 from lora_manager.serving.additions import Additions  # noqa: E402
 from lora_manager.serving.protocol import Engine  # noqa: E402
 from lora_manager.serving.remote import RemoteManager  # noqa: E402
+from lora_manager.specs import DTYPE_NAMES  # noqa: E402
 
 log = logging.getLogger("app")
 SEED_MAX = 2**32 - 1
@@ -68,8 +71,10 @@ _STRATEGIES_LOCK = threading.Lock()  # one measurement at a time, in a process o
 # Gradio lets this many generate calls reach the engine at once; its scheduler runs one at a time, grouped by adapter,
 # and answers "Busy ... retry" when its own queue is full.
 GENERATE_CONCURRENCY = 8
-ZERO_GPU_NOTE = ("On ZeroGPU the engine runs eager (torch.compile is unavailable there) and one request per pipeline "
-                 "call: the move to the GPU worker splits the stacked adapter tensors that mixed batches share.")
+ZERO_GPU_NOTE = (
+    "On ZeroGPU the engine runs eager (torch.compile is unavailable there) and one request per pipeline "
+    "call: the move to the GPU worker splits the stacked adapter tensors that mixed batches share."
+)
 CSS = """
 #gallery .thumbnail-item img, #output-image img { image-rendering: pixelated; }
 #output-image img { width: 100%; height: 100%; object-fit: contain; }
@@ -96,8 +101,11 @@ def _details(a: AdapterInfo | None) -> str:
     if a is None:
         return "**No adapter**: the base model alone."
     s = a.spec
-    lines = [f"**{s.display_name}** (`{a.id}`): rank {a.rank}, alpha {a.alpha:g}, {a.num_modules} modules"
-             + (" incl. text encoder" if a.has_text_encoder else "") + f", {a.format} format, {_mb(a.bytes)}"]
+    lines = [
+        f"**{s.display_name}** (`{a.id}`): rank {a.rank}, alpha {a.alpha:g}, {a.num_modules} modules"
+        + (" incl. text encoder" if a.has_text_encoder else "")
+        + f", {a.format} format, {_mb(a.bytes)}"
+    ]
     if s.trigger:
         lines.append(f"trigger: `{s.trigger}`")
     if s.license:
@@ -112,7 +120,7 @@ def _adapters_text(info: dict) -> str:
     if not adapter:
         return "none"
     if isinstance(adapter, list):
-        return " + ".join(f"{a} at strength {s:g}" for a, s in zip(adapter, strength))
+        return " + ".join(f"{a} at strength {s:g}" for a, s in zip(adapter, strength, strict=True))
     return f"{adapter} at strength {strength:g}"
 
 
@@ -129,18 +137,20 @@ def info_markdown(info: dict | None) -> str:
 def _info_lines(info: dict) -> str:
     cache = info.get("cpu_cache", {})
     held = ", ".join(f"`{k}` {_mb(v)}" for k, v in cache.get("adapters", {}).items()) or "none"
-    return "  \n".join([
-        f"**adapter:** {_adapters_text(info)} · seed {info['seed']}",
-        f"**prompt:** {info['prompt']}"
-        + (" *(longer than the text encoder reads: the end was cut off)*" if info.get("prompt_truncated") else ""),
-        f"**swap:** {info['swap_ms']:.1f} ms · **generation:** {info['generate_ms'] / 1e3:.2f} s "
-        f"({info.get('num_inference_steps', '?')} steps)",
-        f"**compiled:** {info.get('compile_source', 'yes') if info['compiled'] else 'no (eager)'} · "
-        f"**dtype:** {info.get('dtype', '?')} · **recompiles: {info['recompiles']}** since start",
-        f"**CPU cache:** {len(cache.get('adapters', {}))} adapters, {_mb(cache.get('bytes'))} of "
-        f"{_mb(cache.get('budget_bytes'))}: {held}",
-        f"**start-up:** {_phases(info.get('startup_s') or {}) or 'not measured'}",
-    ])
+    return "  \n".join(
+        [
+            f"**adapter:** {_adapters_text(info)} · seed {info['seed']}",
+            f"**prompt:** {info['prompt']}"
+            + (" *(longer than the text encoder reads: the end was cut off)*" if info.get("prompt_truncated") else ""),
+            f"**swap:** {info['swap_ms']:.1f} ms · **generation:** {info['generate_ms'] / 1e3:.2f} s "
+            f"({info.get('num_inference_steps', '?')} steps)",
+            f"**compiled:** {info.get('compile_source', 'yes') if info['compiled'] else 'no (eager)'} · "
+            f"**dtype:** {info.get('dtype', '?')} · **recompiles: {info['recompiles']}** since start",
+            f"**CPU cache:** {len(cache.get('adapters', {}))} adapters, {_mb(cache.get('bytes'))} of "
+            f"{_mb(cache.get('budget_bytes'))}: {held}",
+            f"**start-up:** {_phases(info.get('startup_s') or {}) or 'not measured'}",
+        ]
+    )
 
 
 def _phases(startup_s: dict[str, float]) -> str:
@@ -211,8 +221,16 @@ def gallery_items(space: Space, request: gr.Request | None = None) -> list[tuple
     return items
 
 
-def generate(space: Space, prompt: str, adapter, strength: float, seed: int, steps: int | None,
-             request: gr.Request | None = None, progress=gr.Progress()):
+def generate(
+    space: Space,
+    prompt: str,
+    adapter,
+    strength: float,
+    seed: int,
+    steps: int | None,
+    request: gr.Request | None = None,
+    progress=gr.Progress(),
+):
     """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
     hotswap slot); `strength` applies to entries without their own; `steps` None for the preset's default.
     Every value is checked by the engine's request schema; an adapter another visitor added is unknown here.
@@ -232,20 +250,37 @@ def generate(space: Space, prompt: str, adapter, strength: float, seed: int, ste
             if adapter_id not in visible:
                 raise UnknownAdapterError(f"Unknown adapter {shorten(adapter_id)}; available: {visible}.", adapter_id)
         space.additions.touch(ids)
-        result = engine.generate(prompt, adapter=adapter, strength=strength, seed=seed, steps=steps,
-                                 callback_on_step_end=on_step)
+        result = engine.generate(
+            prompt, adapter=adapter, strength=strength, seed=seed, steps=steps, callback_on_step_end=on_step
+        )
     except LoraManagerError as e:
         raise gr.Error(str(e)) from e
     stats = engine.stats()
     held = {a.id: a.bytes for a in space.adapters(session) if a.status != "evicted"}
-    cache = {"adapters": held, "bytes": stats["cache_bytes"], "budget_bytes": stats["cache_budget_bytes"],
-             "hits": stats["cache_hits"], "misses": stats["cache_misses"], "evictions": stats["cache_evictions"]}
-    return result.image, {**result.info, "swap_ms_median": stats["swap_ms_median"], "cpu_cache": cache,
-                          "compile_source": stats.get("compile_source"), "startup_s": engine.startup_s}
+    cache = {
+        "adapters": held,
+        "bytes": stats["cache_bytes"],
+        "budget_bytes": stats["cache_budget_bytes"],
+        "hits": stats["cache_hits"],
+        "misses": stats["cache_misses"],
+        "evictions": stats["cache_evictions"],
+    }
+    return result.image, {
+        **result.info,
+        "swap_ms_median": stats["swap_ms_median"],
+        "cpu_cache": cache,
+        "compile_source": stats.get("compile_source"),
+        "startup_s": engine.startup_s,
+    }
 
 
-def add_adapter(space: Space, repo_id: str, weight_name: str, request: gr.Request | None = None,
-                progress=gr.Progress(track_tqdm=True)) -> str:
+def add_adapter(
+    space: Space,
+    repo_id: str,
+    weight_name: str,
+    request: gr.Request | None = None,
+    progress=gr.Progress(track_tqdm=True),
+) -> str:
     """Download a LoRA from the Hub, check it against the loaded template and register it for this visitor (for
     everyone where additions are shared); returns a status. A file larger than the template can hold (or the
     server's cap) is refused from its declared size, before it is downloaded."""
@@ -256,8 +291,13 @@ def add_adapter(space: Space, repo_id: str, weight_name: str, request: gr.Reques
     try:
         space.additions.check_room(session)
         adapter_id = _adapter_id_for(engine, repo_id, weight_name)
-        info = engine.register(adapter_id, repo_id, weight_name=weight_name, allow_local=False,
-                               max_bytes=engine.adapter_byte_limit(space.max_adapter_bytes))
+        info = engine.register(
+            adapter_id,
+            repo_id,
+            weight_name=weight_name,
+            allow_local=False,
+            max_bytes=engine.adapter_byte_limit(space.max_adapter_bytes),
+        )
         for dropped in space.additions.add(session, adapter_id, info.bytes):
             engine.unregister(dropped)
     except LoraManagerError as e:
@@ -271,7 +311,7 @@ def prepare(space: Space, prompt, adapter_id, strength, add_trigger, seed, rando
     strength, ... It refuses what is not text or a number, naming the field; /generate checks the ranges."""
     prompt = _text(prompt, "Prompt", MAX_PROMPT_CHARS)
     strength = _float(strength, "Strength", 1.0)
-    rows = [(adapter_id, strength)] + list(zip(extra[::2], extra[1::2]))
+    rows = [(adapter_id, strength)] + list(zip(extra[::2], extra[1::2], strict=False))
     mix = [[_text(i, "adapter", MAX_ID_CHARS), _float(s, "strength", strength)] for i, s in rows if i]
     for i, _ in mix if add_trigger is True else ():
         try:
@@ -330,6 +370,7 @@ def strategies(repeats: int, progress=gr.Progress()):
 def _bind(fn: Callable, space: Space) -> Callable:
     """`fn` with the Space filled in, as Gradio should see it: the same name, docstring and parameters (minus the
     Space), so its API page, `gr.Progress`, `gr.Request` and `gr.SelectData` work as for a plain function."""
+
     @functools.wraps(fn)
     def bound(*args, **kwargs):
         return fn(space, *args, **kwargs)
@@ -352,8 +393,7 @@ def _header(engine: Engine) -> str:
         "watch `recompiles` in the info panel. Adapters wait in a CPU-memory cache."
         + (f" Up to {engine.max_adapters} LoRAs combine in one request (one hotswap slot each)." if combine else "")
         + "\n\n"
-        f"*{engine.catalog.description}*"
-        + (f"\n\n> {ZERO_GPU_NOTE}" if ZERO_GPU else "")
+        f"*{engine.catalog.description}*" + (f"\n\n> {ZERO_GPU_NOTE}" if ZERO_GPU else "")
     )
 
 
@@ -363,21 +403,34 @@ def _generate_tab(demo: gr.Blocks, space: Space) -> None:
     defaults, combine = engine.generation_defaults, engine.max_adapters > 1
     with gr.Row():
         with gr.Column(scale=3):
-            gallery = gr.Gallery(label="Adapters (click to select)", columns=4,
-                                 height="auto", allow_preview=False, object_fit="contain",
-                                 selected_index=0, elem_id="gallery", format="png", interactive=False,
-                                 buttons=[])
+            gallery = gr.Gallery(
+                label="Adapters (click to select)",
+                columns=4,
+                height="auto",
+                allow_preview=False,
+                object_fit="contain",
+                selected_index=0,
+                elem_id="gallery",
+                format="png",
+                interactive=False,
+                buttons=[],
+            )
             with gr.Row():
-                adapter_id = gr.Textbox("", label="adapter_id", placeholder="(none)", interactive=False,
-                                        scale=1, elem_id="adapter-id")
+                adapter_id = gr.Textbox(
+                    "", label="adapter_id", placeholder="(none)", interactive=False, scale=1, elem_id="adapter-id"
+                )
                 details = gr.Markdown(_details(None), elem_id="adapter-details")
             extra = []  # (adapter, strength) per further slot
-            with gr.Accordion(f"Combine LoRAs (up to {engine.max_adapters})", open=False, visible=combine,
-                              elem_id="combine"):
+            with gr.Accordion(
+                f"Combine LoRAs (up to {engine.max_adapters})", open=False, visible=combine, elem_id="combine"
+            ):
                 for k in range(2, engine.max_adapters + 1):
                     with gr.Row():
-                        extra.append(gr.Dropdown(adapter_choices(space, ""), value="", label=f"adapter {k}",
-                                                 elem_id=f"adapter-{k}"))
+                        extra.append(
+                            gr.Dropdown(
+                                adapter_choices(space, ""), value="", label=f"adapter {k}", elem_id=f"adapter-{k}"
+                            )
+                        )
                         extra.append(gr.Slider(0, 2, 1.0, step=0.05, label=f"strength {k}"))
             prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2, elem_id="prompt")
             add_trigger = gr.Checkbox(True, label="add trigger words")
@@ -389,8 +442,9 @@ def _generate_tab(demo: gr.Blocks, space: Space) -> None:
                 randomize = gr.Checkbox(False, label="randomize")
             run = gr.Button("Generate", variant="primary", elem_id="generate")
         with gr.Column(scale=2):
-            image = gr.Image(label="Image", type="pil", format="png", interactive=False, height=384,
-                             elem_id="output-image")
+            image = gr.Image(
+                label="Image", type="pil", format="png", interactive=False, height=384, elem_id="output-image"
+            )
             panel = gr.Markdown(info_markdown(None), elem_id="info-panel")
             with gr.Accordion("Full info (JSON)", open=False):
                 info = gr.JSON(label="info")
@@ -412,18 +466,36 @@ def _generate_tab(demo: gr.Blocks, space: Space) -> None:
     demo.load(gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden")
     demo.unload(_bind(session_closed, space))
     gallery.select(_bind(select, space), strength, [adapter_id, strength, details], api_visibility="private")
-    (run.click(_bind(prepare, space), [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
-               [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps], api_visibility="private",
-               queue=False)
+    (
+        run.click(
+            _bind(prepare, space),
+            [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
+            [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps],
+            api_visibility="private",
+            queue=False,
+        )
         # ZeroGPU pickles a GPU function's arguments into its worker: the Space is bound before `gpu`, not passed
-        .success(gpu(_bind(generate, space)), [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
-                 [image, info], api_name="generate", concurrency_limit=GENERATE_CONCURRENCY)
-        .then(info_markdown, info, panel, api_visibility="private", queue=False))
-    added = (add.click(_bind(add_adapter, space), [repo_id, weight_name], status, api_name="add_adapter")
-             .then(gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden"))
+        .success(
+            gpu(_bind(generate, space)),
+            [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
+            [image, info],
+            api_name="generate",
+            concurrency_limit=GENERATE_CONCURRENCY,
+        )
+        .then(info_markdown, info, panel, api_visibility="private", queue=False)
+    )
+    added = add.click(_bind(add_adapter, space), [repo_id, weight_name], status, api_name="add_adapter").then(
+        gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden"
+    )
     if extra:
-        added.then(_bind(refreshed_choices, space), None, extra[::2], api_visibility="private", queue=False,
-                   show_progress="hidden")
+        added.then(
+            _bind(refreshed_choices, space),
+            None,
+            extra[::2],
+            api_visibility="private",
+            queue=False,
+            show_progress="hidden",
+        )
 
 
 def _strategies_tab() -> None:
@@ -462,11 +534,26 @@ def _run_bench(repeats: int) -> dict:
     """`python -m lora_manager bench` in a child process: its models, memory and threads never touch the server's."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "lora_manager", "bench", "--scale", "tiny", "--repeats", str(repeats),
-               "--device", "cpu", "--threads", "1", "--json", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lora_manager",
+            "bench",
+            "--scale",
+            "tiny",
+            "--repeats",
+            str(repeats),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=STRATEGIES_TIMEOUT_S,
-                                  cwd=Path(__file__).parent)
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=STRATEGIES_TIMEOUT_S, cwd=Path(__file__).parent
+            )
         except subprocess.TimeoutExpired as e:
             raise gr.Error(f"The measurement took longer than {STRATEGIES_TIMEOUT_S} s and was stopped.") from e
         if done.returncode != 0 or not out.is_file():
@@ -490,37 +577,84 @@ def _env_int(name: str) -> int | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default=os.environ.get("LORA_PRESET", "tiny"),
-                   help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)")
-    p.add_argument("--dtype", default=os.environ.get("LORA_DTYPE") or None, choices=DTYPE_NAMES,
-                   help="the pipeline's dtype (env LORA_DTYPE; default: the preset's on CUDA, float32 on the CPU)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=_env_bool("LORA_COMPILE"),
-                   help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)")
-    p.add_argument("--aot-package", default=os.environ.get("LORA_AOT_PACKAGE") or None,
-                   help="run the denoiser from this AOTInductor package (`python -m lora_manager aot-package`) "
-                        "instead of compiling; needs --max-batch 1 --slots 1 (env LORA_AOT_PACKAGE)")
+    p.add_argument(
+        "--preset",
+        default=os.environ.get("LORA_PRESET", "tiny"),
+        help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=os.environ.get("LORA_DTYPE") or None,
+        choices=DTYPE_NAMES,
+        help="the pipeline's dtype (env LORA_DTYPE; default: the preset's on CUDA, float32 on the CPU)",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("LORA_COMPILE"),
+        help="torch.compile the denoiser (env LORA_COMPILE; default on for CUDA, never on ZeroGPU)",
+    )
+    p.add_argument(
+        "--aot-package",
+        default=os.environ.get("LORA_AOT_PACKAGE") or None,
+        help="run the denoiser from this AOTInductor package (`python -m lora_manager aot-package`) "
+        "instead of compiling; needs --max-batch 1 --slots 1 (env LORA_AOT_PACKAGE)",
+    )
     p.add_argument("--target-rank", type=int, default=None, help="hotswap template rank (default: largest in catalog)")
     p.add_argument("--cache-mb", type=int, default=None, help="CPU adapter cache budget in MiB (default 4096)")
-    p.add_argument("--slots", type=int, default=int(os.environ.get("LORA_SLOTS", 2)),
-                   help="hotswap slots: LoRAs one request can combine (env LORA_SLOTS; default 2)")
-    p.add_argument("--max-batch", type=int, default=int(os.environ.get("LORA_MAX_BATCH", 4)),
-                   help="requests run in one pipeline call, whatever their LoRAs (env LORA_MAX_BATCH; default 4)")
-    p.add_argument("--max-adapter-mb", type=int, default=_env_int("LORA_MAX_ADAPTER_MB"),
-                   help="largest LoRA file a visitor may add, MiB (env LORA_MAX_ADAPTER_MB; default: what the template "
-                        "can hold)")
-    p.add_argument("--additions-per-visitor", type=int, default=_env_int("LORA_ADDITIONS_PER_VISITOR") or 4,
-                   help="LoRAs one visitor may add (env LORA_ADDITIONS_PER_VISITOR; default 4)")
-    p.add_argument("--max-additions", type=int, default=_env_int("LORA_MAX_ADDITIONS") or 16,
-                   help="visitors' additions kept in all; the least recently used go first (env LORA_MAX_ADDITIONS)")
-    p.add_argument("--additions-mb", type=int, default=_env_int("LORA_ADDITIONS_MB") or 2048,
-                   help="MiB all visitors' additions may hold, in memory and on disk (env LORA_ADDITIONS_MB)")
-    p.add_argument("--shared-additions", action=argparse.BooleanOptionalAction,
-                   default=bool(_env_bool("LORA_SHARED_ADDITIONS")),
-                   help="every visitor sees every addition (env LORA_SHARED_ADDITIONS=1; default: per visitor)")
-    p.add_argument("--backend", choices=("local", "ray"), default=os.environ.get("LORA_BACKEND", "local"),
-                   help="local: the engine in this process; ray: a `python -m lora_manager serve` deployment")
-    p.add_argument("--ray-url", default=os.environ.get("LORA_RAY_URL", "http://127.0.0.1:8000"),
-                   help="the Ray Serve deployment's HTTP address (with --backend ray)")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=int(os.environ.get("LORA_SLOTS", 2)),
+        help="hotswap slots: LoRAs one request can combine (env LORA_SLOTS; default 2)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(os.environ.get("LORA_MAX_BATCH", 4)),
+        help="requests run in one pipeline call, whatever their LoRAs (env LORA_MAX_BATCH; default 4)",
+    )
+    p.add_argument(
+        "--max-adapter-mb",
+        type=int,
+        default=_env_int("LORA_MAX_ADAPTER_MB"),
+        help="largest LoRA file a visitor may add, MiB (env LORA_MAX_ADAPTER_MB; default: what the template can hold)",
+    )
+    p.add_argument(
+        "--additions-per-visitor",
+        type=int,
+        default=_env_int("LORA_ADDITIONS_PER_VISITOR") or 4,
+        help="LoRAs one visitor may add (env LORA_ADDITIONS_PER_VISITOR; default 4)",
+    )
+    p.add_argument(
+        "--max-additions",
+        type=int,
+        default=_env_int("LORA_MAX_ADDITIONS") or 16,
+        help="visitors' additions kept in all; the least recently used go first (env LORA_MAX_ADDITIONS)",
+    )
+    p.add_argument(
+        "--additions-mb",
+        type=int,
+        default=_env_int("LORA_ADDITIONS_MB") or 2048,
+        help="MiB all visitors' additions may hold, in memory and on disk (env LORA_ADDITIONS_MB)",
+    )
+    p.add_argument(
+        "--shared-additions",
+        action=argparse.BooleanOptionalAction,
+        default=bool(_env_bool("LORA_SHARED_ADDITIONS")),
+        help="every visitor sees every addition (env LORA_SHARED_ADDITIONS=1; default: per visitor)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default=os.environ.get("LORA_BACKEND", "local"),
+        help="local: the engine in this process; ray: a `python -m lora_manager serve` deployment",
+    )
+    p.add_argument(
+        "--ray-url",
+        default=os.environ.get("LORA_RAY_URL", "http://127.0.0.1:8000"),
+        help="the Ray Serve deployment's HTTP address (with --backend ray)",
+    )
     p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     p.add_argument("--share", action="store_true")
@@ -530,8 +664,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     imports_s = time.time() - _T0
     args = parse_args(argv)
-    kwargs = {"target_rank": args.target_rank, "slots": args.slots, "max_batch": args.max_batch,
-              "aot_package": args.aot_package, "dtype": args.dtype}
+    kwargs = {
+        "target_rank": args.target_rank,
+        "slots": args.slots,
+        "max_batch": args.max_batch,
+        "aot_package": args.aot_package,
+        "dtype": args.dtype,
+    }
     if args.cache_mb is not None:
         kwargs["cache_bytes"] = args.cache_mb * 2**20
     compile_ = False if ZERO_GPU or args.aot_package else args.compile
@@ -549,20 +688,33 @@ def main(argv: list[str] | None = None) -> None:
     launch_t0 = time.time()
     for adapter_id, reason in manager.errors.items():
         print(f"skipped adapter {adapter_id}: {reason}", flush=True)
-    additions = Additions(per_session=args.additions_per_visitor, max_count=args.max_additions,
-                          max_bytes=args.additions_mb * 2**20, shared=args.shared_additions)
+    additions = Additions(
+        per_session=args.additions_per_visitor,
+        max_count=args.max_additions,
+        max_bytes=args.additions_mb * 2**20,
+        shared=args.shared_additions,
+    )
     cap = args.max_adapter_mb * 2**20 if args.max_adapter_mb is not None else None
     demo = build_demo(manager, additions, cap)
     demo.queue(default_concurrency_limit=1, max_size=64)
     previews = {str(p.parent) for a in manager.adapters() if (p := manager.asset_path(a.spec.preview))}
     none = manager.asset_path("previews/none.png")
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, prevent_thread_lock=True,
-                css=CSS, allowed_paths=sorted(previews | ({str(none.parent)} if none else set())),
-                max_file_size=MAX_UPLOAD, show_error=True)
+    demo.launch(
+        server_name=args.host,
+        server_port=args.port,
+        share=args.share,
+        prevent_thread_lock=True,
+        css=CSS,
+        allowed_paths=sorted(previews | ({str(none.parent)} if none else set())),
+        max_file_size=MAX_UPLOAD,
+        show_error=True,
+    )
     manager.startup_s["ui_launch"] = time.time() - launch_t0
-    print(f"ready in {time.time() - _T0:.1f} s at {demo.local_url} (preset {args.preset}, "
-          f"compiled: {manager.compile_source}, {len(manager.adapters())} adapters; {_phases(manager.startup_s)})",
-          flush=True)
+    print(
+        f"ready in {time.time() - _T0:.1f} s at {demo.local_url} (preset {args.preset}, "
+        f"compiled: {manager.compile_source}, {len(manager.adapters())} adapters; {_phases(manager.startup_s)})",
+        flush=True,
+    )
     demo.block_thread()
 
 

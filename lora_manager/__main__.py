@@ -25,16 +25,32 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.repeat < 1:
         raise SystemExit(f"--repeat {args.repeat}: generate at least once")
     mix = [_adapter_arg(a, args.strength) for a in args.adapter]
-    m = LoraManager.from_preset(args.preset, compile=args.compile, target_rank=args.target_rank,
-                                slots=max(args.slots, len(mix)), max_batch=args.max_batch, dtype=args.dtype)
+    m = LoraManager.from_preset(
+        args.preset,
+        compile=args.compile,
+        target_rank=args.target_rank,
+        slots=max(args.slots, len(mix)),
+        max_batch=args.max_batch,
+        dtype=args.dtype,
+    )
     times = []
     for _ in range(args.repeat):  # the same request again: its generate_ms, a latency sample without the start
         result = m.generate(args.prompt, adapter=mix, strength=args.strength, seed=args.seed, steps=args.steps)
         times.append(result.info["generate_ms"])
     result.image.save(args.out)
     timing = {"generate_ms_median": statistics.median(times), "generate_ms_min": min(times)} if args.repeat > 1 else {}
-    print(json.dumps({**result.info, **timing, "compile_source": m.compile_source, "startup_s": m.startup_s,
-                      "out": str(args.out)}, indent=2))
+    print(
+        json.dumps(
+            {
+                **result.info,
+                **timing,
+                "compile_source": m.compile_source,
+                "startup_s": m.startup_s,
+                "out": str(args.out),
+            },
+            indent=2,
+        )
+    )
 
 
 def _adapter_arg(text: str, strength: float) -> tuple[str, float]:
@@ -49,8 +65,8 @@ def _adapter_arg(text: str, strength: float) -> tuple[str, float]:
 def cmd_inspect(args: argparse.Namespace) -> None:
     import diffusers
 
-    from .adapters.reader import read_adapter
     from .adapters.inspection import summarize
+    from .adapters.reader import read_adapter
     from .adapters.sources import resolve
 
     pipeline_cls = getattr(diffusers, PIPELINES[args.pipeline])
@@ -64,20 +80,37 @@ def cmd_compile_cache(args: argparse.Namespace) -> None:
     """Compile the preset's engine once in an empty inductor cache and pack that cache as the preset's bundle."""
     import tempfile
 
-    from .hotswap import compile_cache
     from .engine import LoraManager
+    from .hotswap import compile_cache
 
     with tempfile.TemporaryDirectory() as fresh:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh  # read by inductor whenever it resolves its cache
-        m = LoraManager.from_preset(args.preset, compile=True, slots=args.slots, max_batch=args.max_batch,
-                                    compile_kwargs={"options": compile_cache.OPTIONS}, compile_bundle=False)
+        m = LoraManager.from_preset(
+            args.preset,
+            compile=True,
+            slots=args.slots,
+            max_batch=args.max_batch,
+            compile_kwargs={"options": compile_cache.OPTIONS},
+            compile_bundle=False,
+        )
         if m.catalog_root is None:
             raise SystemExit(f"compile-cache: preset {args.preset!r} has no folder to keep a bundle in")
-        path, kernels, portable = compile_cache.build(compile_cache.bundle_path(m.catalog_root, m.compile_key),
-                                                      m.compile_key, Path(fresh))
-    print(json.dumps({"bundle": str(path), "mb": round(path.stat().st_size / 2**20, 1),
-                      "compile_s": round(m.compile_s, 1), "key": m.compile_key.slug,
-                      "cpp_kernels": kernels, "cpp_kernels_portable": portable}, indent=2))
+        path, kernels, portable = compile_cache.build(
+            compile_cache.bundle_path(m.catalog_root, m.compile_key), m.compile_key, Path(fresh)
+        )
+    print(
+        json.dumps(
+            {
+                "bundle": str(path),
+                "mb": round(path.stat().st_size / 2**20, 1),
+                "compile_s": round(m.compile_s, 1),
+                "key": m.compile_key.slug,
+                "cpp_kernels": kernels,
+                "cpp_kernels_portable": portable,
+            },
+            indent=2,
+        )
+    )
 
 
 def cmd_aot_package(args: argparse.Namespace) -> None:
@@ -89,12 +122,22 @@ def cmd_aot_package(args: argparse.Namespace) -> None:
 
     with LoraManager.from_preset(args.preset, compile=False, slots=args.slots) as m:
         gen = m.generation_defaults
-        shapes = DenoiserShapes.for_pipeline(m.pipe, gen.get("height", 512), gen.get("width", 512),
-                                             guidance=gen.get("guidance_scale", 7.5) > 1)
+        shapes = DenoiserShapes.for_pipeline(
+            m.pipe, gen.get("height", 512), gen.get("width", 512), guidance=gen.get("guidance_scale", 7.5) > 1
+        )
         t0 = time.perf_counter()
         path = package_denoiser(m.pipe, args.out, shapes)
-    print(json.dumps({"package": str(path), "mb": round(path.stat().st_size / 2**20, 1),
-                      "build_s": round(time.perf_counter() - t0, 1), "shapes": shapes.describe()}, indent=2))
+    print(
+        json.dumps(
+            {
+                "package": str(path),
+                "mb": round(path.stat().st_size / 2**20, 1),
+                "build_s": round(time.perf_counter() - t0, 1),
+                "shapes": shapes.describe(),
+            },
+            indent=2,
+        )
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -141,8 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate one image to a PNG")
     gen.add_argument("--preset", default="tiny", help="preset name or catalog .json path")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--adapter", action="append", default=[], metavar="ID[:STRENGTH]",
-                     help="adapter id from the catalog (default: none); repeat it to combine LoRAs, one slot each")
+    gen.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="ID[:STRENGTH]",
+        help="adapter id from the catalog (default: none); repeat it to combine LoRAs, one slot each",
+    )
     gen.add_argument("--strength", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--steps", type=int, default=None)
@@ -164,10 +212,18 @@ def main(argv: list[str] | None = None) -> int:
 
     cc = sub.add_parser("compile-cache", help="build a preset's compile artifacts for this machine kind (see README)")
     cc.add_argument("--preset", default="tiny")
-    cc.add_argument("--slots", type=int, default=int(os.environ.get("LORA_SLOTS", 2)),
-                    help="as the app runs it (env LORA_SLOTS; default 2)")
-    cc.add_argument("--max-batch", type=int, default=int(os.environ.get("LORA_MAX_BATCH", 4)),
-                    help="as the app runs it (env LORA_MAX_BATCH; default 4)")
+    cc.add_argument(
+        "--slots",
+        type=int,
+        default=int(os.environ.get("LORA_SLOTS", 2)),
+        help="as the app runs it (env LORA_SLOTS; default 2)",
+    )
+    cc.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(os.environ.get("LORA_MAX_BATCH", 4)),
+        help="as the app runs it (env LORA_MAX_BATCH; default 4)",
+    )
     cc.set_defaults(func=cmd_compile_cache)
 
     aot = sub.add_parser("aot-package", help="AOTInductor package of the denoiser with swappable LoRA tensors")
@@ -182,14 +238,21 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--json", type=Path, default=None)
     ben.add_argument("--plot", type=Path, default=None, help="PNG path")
     ben.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    ben.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                     help="default: float32 (tiny), bfloat16 (sdxl)")
+    ben.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="default: float32 (tiny), bfloat16 (sdxl)",
+    )
     ben.add_argument("--compile", action="store_true", help="also time compile and count recompiles over 10 swaps")
     ben.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ben.set_defaults(func=cmd_bench)
 
-    gpc = sub.add_parser("gpu-check", help="the engine on CUDA, offline: half precision, no recompiles, swap ms and "
-                                           "images/s vs plain diffusers, on the tiny preset and mini SDXL and Flux")
+    gpc = sub.add_parser(
+        "gpu-check",
+        help="the engine on CUDA, offline: half precision, no recompiles, swap ms and "
+        "images/s vs plain diffusers, on the tiny preset and mini SDXL and Flux",
+    )
     gpc.add_argument("--device", default="cuda", help="cpu runs it too, slowly (default: cuda)")
     gpc.add_argument("--cases", default="tiny,sdxl,flux", help="comma-separated, from: tiny, sdxl, flux")
     gpc.add_argument("--no-compile", action="store_true", help="run the engine eager (for a quick CPU run)")
@@ -210,13 +273,21 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="Ray Serve: N replicas behind POST /generate, routed by adapter")
     srv.add_argument("--replicas", type=int, default=2)
     srv.add_argument("--preset", default="tiny")
-    srv.add_argument("--routing", choices=("affinity", "default"), default="affinity",
-                     help="affinity: each adapter to its home replica; default: Ray Serve's multiplexed routing")
+    srv.add_argument(
+        "--routing",
+        choices=("affinity", "default"),
+        default="affinity",
+        help="affinity: each adapter to its home replica; default: Ray Serve's multiplexed routing",
+    )
     srv.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     srv.add_argument("--dtype", choices=DTYPE_NAMES, default=os.environ.get("LORA_DTYPE") or None, help=DTYPE_HELP)
     srv.add_argument("--slots", type=int, default=1)
-    srv.add_argument("--cpus-per-replica", type=float, default=None,
-                     help="CPUs Ray reserves for each replica (default: the machine's CPUs shared evenly)")
+    srv.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=None,
+        help="CPUs Ray reserves for each replica (default: the machine's CPUs shared evenly)",
+    )
     srv.add_argument("--address", default=None, help="Ray cluster address (default: start Ray locally)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)

@@ -91,16 +91,22 @@ class LoraManager:
             raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
         mixed = max_batch > 1
         if zero_gpu and (mixed or compile):
-            raise ValueError(f"On ZeroGPU the engine runs eager with max_batch=1 (got compile={compile}, max_batch="
-                             f"{max_batch}): torch.compile is unavailable there, and the move to the GPU worker splits "
-                             "the stacked tensors that mixed batches share.")
+            raise ValueError(
+                f"On ZeroGPU the engine runs eager with max_batch=1 (got compile={compile}, max_batch="
+                f"{max_batch}): torch.compile is unavailable there, and the move to the GPU worker splits "
+                "the stacked tensors that mixed batches share."
+            )
         if aot_package is not None and (compile or mixed):
-            raise ValueError("aot_package replaces torch.compile and serves one request per pipeline call: pass "
-                             "compile=False and max_batch=1.")
+            raise ValueError(
+                "aot_package replaces torch.compile and serves one request per pipeline call: pass "
+                "compile=False and max_batch=1."
+            )
         resident = device_slots or (max(slots, max_batch) if mixed else slots)
         if resident < slots or (not mixed and resident != slots):
-            raise ValueError(f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
-                             f"with max_batch > 1.")
+            raise ValueError(
+                f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
+                f"with max_batch > 1."
+            )
         if compile is None:  # auto: compile on CUDA (see the class docstring for why not on the CPU)
             compile = aot_package is None and pipe.device.type == "cuda" and not zero_gpu
         no_compiler = compile_cache.missing_compiler(pipe.device) if compile else None
@@ -148,8 +154,10 @@ class LoraManager:
                 self.errors[spec.id] = str(e)
                 log.warning("catalog adapter refused: %s", e)
         self.startup_s["adapter_reads"] = time.perf_counter() - t0
-        self.target_rank = target_rank or self.catalog.target_rank or max((w.rank for _, w in staged.values()), default=8)
-        for adapter_id, (reg, weights) in list(staged.items()):
+        self.target_rank = (
+            target_rank or self.catalog.target_rank or max((w.rank for _, w in staged.values()), default=8)
+        )
+        for adapter_id, (_reg, weights) in list(staged.items()):
             if weights.rank > self.target_rank:
                 self.errors[adapter_id] = (
                     f"Adapter {adapter_id!r}: rank {weights.rank} > target_rank {self.target_rank}; "
@@ -165,7 +173,10 @@ class LoraManager:
             self._registered[adapter_id] = reg
             self.store.put(adapter_id, weights)
         self.scheduler = Scheduler(
-            self._run_batch, lambda: frozenset(filter(None, self._live)), max_queue=max_queue, max_batch=max_batch,
+            self._run_batch,
+            lambda: frozenset(filter(None, self._live)),
+            max_queue=max_queue,
+            max_batch=max_batch,
             capacity=resident,
         )
         self.compiled = compile
@@ -256,8 +267,9 @@ class LoraManager:
             raise LoraManagerError(f"Adapter id {adapter_id!r} is already used for {known.spec.source!r}.", adapter_id)
         cached = hub_cache_files(source)
         try:
-            reg, weights = self._read(spec, allow_local, template=self.slots[0].keys, target_rank=self.target_rank,
-                                      max_bytes=max_bytes)
+            reg, weights = self._read(
+                spec, allow_local, template=self.slots[0].keys, target_rank=self.target_rank, max_bytes=max_bytes
+            )
         except BaseException:
             remove_files(hub_cache_files(source) - cached)
             raise
@@ -357,7 +369,9 @@ class LoraManager:
         shared = {k: v for k, v in first.params.items() if isinstance(v, (int, float, str, bool, type(None)))}
         results = iter(images)
         return [
-            refused[min(refused.keys() & r.adapter_ids)] if refused.keys() & r.adapter_ids else Result(
+            refused[min(refused.keys() & r.adapter_ids)]
+            if refused.keys() & r.adapter_ids
+            else Result(
                 image=next(results),
                 info={
                     **_describe(r.adapters),
@@ -442,7 +456,9 @@ class LoraManager:
         before = set(filter(None, self._live))
         targets = assign_slots(self._live, list(wanted))
         # every adapter that lands in a slot it is not in yet, including live ones that move to keep id order
-        incoming = list(dict.fromkeys(a for a, held in zip(targets, self._live) if a is not None and a != held))
+        incoming = list(
+            dict.fromkeys(a for a, held in zip(targets, self._live, strict=True) if a is not None and a != held)
+        )
         fetched: dict[str, AdapterWeights] = {}
         try:
             for adapter_id in incoming:
@@ -454,7 +470,7 @@ class LoraManager:
                     self.store.unpin(adapter_id)
             raise
         t0, swapped = time.perf_counter(), False
-        for i, (slot, old, new) in enumerate(zip(self.slots, self._live, targets)):
+        for i, (slot, old, new) in enumerate(zip(self.slots, self._live, targets, strict=True)):
             if new == old:
                 if new is not None and wanted[new] != slot.strength:
                     slot.set_strength(wanted[new])
@@ -488,7 +504,7 @@ class LoraManager:
         needed = [a for a in needed if a not in refused]
         targets = plan_resident(self._live, needed, self._last_used)
         t0 = time.perf_counter()
-        for i, (slot, old, new) in enumerate(zip(self.device_slots, self._live, targets)):
+        for i, (slot, old, new) in enumerate(zip(self.device_slots, self._live, targets, strict=True)):
             if new != old:
                 staged = self._prefetch.take(new, fetched[new]) if self._prefetch is not None else None
                 slot.load(fetched[new], 1.0, staged)
@@ -501,8 +517,9 @@ class LoraManager:
         self._batches += 1
         self._last_used.update(dict.fromkeys(needed, self._batches))
         slot_of = {a: i for i, a in enumerate(self._live) if a is not None}
-        rows = [[(slot_of[a], s) for a, s in sorted(r.adapters)]
-                for r in requests if not refused.keys() & r.adapter_ids]
+        rows = [
+            [(slot_of[a], s) for a, s in sorted(r.adapters)] for r in requests if not refused.keys() & r.adapter_ids
+        ]
         if rows:
             self._rows.write(rows)
         return ms, refused
@@ -543,8 +560,9 @@ class LoraManager:
             weights = self.store.put(adapter_id, weights)
         return weights
 
-    def _read(self, spec: AdapterSpec, allow_local: bool, template, target_rank,
-              max_bytes: int | None = None) -> tuple[_Registered, AdapterWeights]:
+    def _read(
+        self, spec: AdapterSpec, allow_local: bool, template, target_rank, max_bytes: int | None = None
+    ) -> tuple[_Registered, AdapterWeights]:
         path = resolve(spec.source, spec.id, spec.weight_name, spec.revision, allow_local, self._root, max_bytes)
         weights = read_adapter(path, spec.id, type(self.pipe), self.components, self.dtype)
         self.store.check_fits(spec.id, weights)
@@ -614,8 +632,14 @@ class LoraManager:
     def compile_key(self) -> compile_cache.BundleKey:
         """What this engine's compiled graphs depend on beyond the code: which compile bundle fits it."""
         generation = {**self.generation_defaults, "max_batch": self.max_batch}
-        return compile_cache.bundle_key(self.pipe.device, self.dtype, self.target_rank, len(self.device_slots),
-                                        len(self.slots[0].modules), generation)
+        return compile_cache.bundle_key(
+            self.pipe.device,
+            self.dtype,
+            self.target_rank,
+            len(self.device_slots),
+            len(self.slots[0].modules),
+            generation,
+        )
 
     def _compile(self, compile_kwargs: dict[str, Any], use_bundle: bool) -> str:
         """Install the preset's compile bundle where one fits (unless `use_bundle` is False: compile from nothing, what
@@ -637,7 +661,7 @@ class LoraManager:
         batch_dim = BATCH_DIM if self.max_batch > 1 and "dynamic" not in compile_kwargs else ""
         with torch.compiler.config.patch(dynamic_sources=batch_dim):
             self._warm_up()
-        self._cache_counts = tuple(n - b for n, b in zip(compile_cache.cache_counts(), before))
+        self._cache_counts = tuple(n - b for n, b in zip(compile_cache.cache_counts(), before, strict=True))
         self._built_kernels = compile_cache.built_kernels() - kernels
         if skipped is None and self._cache_counts[1] == 0:
             built = f", {self._built_kernels} C++ kernel(s) built" if self._built_kernels else ""

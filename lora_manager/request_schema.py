@@ -73,8 +73,13 @@ def check_number(name: str, value: Any, lo: float, hi: float, integer: bool = Fa
     """A finite real number (an integral one if `integer`) within [lo, hi]; bools and numeric strings are refused."""
     bounds = f"{int(lo)} and {int(hi)}" if integer else f"{lo:g} and {hi:g}"
     rule = f"{name} must be {'an integer' if integer else 'a number'} between {bounds}"
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or (integer and value != int(value)) or not lo <= value <= hi):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (integer and value != int(value))
+        or not lo <= value <= hi
+    ):
         raise RequestError(f"{rule}, got {shorten(value)}.", field=name)
     return value
 
@@ -104,7 +109,9 @@ def normalize_mix(adapter: Any, strength: float, slots: int) -> Mix:
             field="adapter",
         )
     if len(adapter) > max(slots, 1) * 4:  # blank rows are allowed, a flood is not
-        raise RequestError(f"adapter has {len(adapter)} entries; this engine combines at most {slots}.", field="adapter")
+        raise RequestError(
+            f"adapter has {len(adapter)} entries; this engine combines at most {slots}.", field="adapter"
+        )
     mix = []
     for entry in adapter:
         if isinstance(entry, (list, tuple)) and len(entry) == 2:

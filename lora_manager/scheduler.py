@@ -17,9 +17,10 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import EngineClosedError, QueueFullError
 from .request_schema import Mix
@@ -214,7 +215,7 @@ class Scheduler:
             self.stats.waits_s.extend(waits)
             self.stats.max_wait_s = max([self.stats.max_wait_s, *waits])
             self.stats.batches += 1
-        for q, result in zip(group, results):  # an exception fails only the requests it belongs to
+        for q, result in zip(group, results, strict=True):  # an exception fails only the requests it belongs to
             self.stats.completed += 1
             if isinstance(result, BaseException):
                 q.future.set_exception(result)

@@ -26,7 +26,9 @@ from .tiny_model.kohya import to_kohya
 SlotSnapshot = dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
-def lora_layers(model: torch.nn.Module, suffixes: Iterable[str], rank: int, seed: int, scale: float) -> dict[str, torch.Tensor]:
+def lora_layers(
+    model: torch.nn.Module, suffixes: Iterable[str], rank: int, seed: int, scale: float
+) -> dict[str, torch.Tensor]:
     """Random A/B for every Linear/Conv2d whose name ends with one of `suffixes`, in PEFT layout.
 
     A ~ N(0, 1/fan_in) and B ~ N(0, scale^2/r), so B(A(x)) is about `scale` times x: a realistic style delta,
@@ -113,7 +115,7 @@ def same_slots(before: list[SlotSnapshot], after: list[SlotSnapshot]) -> bool:
     return len(before) == len(after) and all(
         b.keys() == a.keys()
         and all(torch.equal(b[k][0], a[k][0]) and torch.equal(b[k][1], a[k][1]) and b[k][2] == a[k][2] for k in b)
-        for b, a in zip(before, after)
+        for b, a in zip(before, after, strict=True)
     )
 
 
@@ -125,15 +127,21 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_app(app: Path, args: Sequence[str], env: dict[str, str], timeout_s: float,
-                python: str = sys.executable) -> Iterator[tuple[str, str]]:
+def running_app(
+    app: Path, args: Sequence[str], env: dict[str, str], timeout_s: float, python: str = sys.executable
+) -> Iterator[tuple[str, str]]:
     """Start `python app.py` (with the interpreter `python`) on 127.0.0.1 at a free port; yield its URL and what it
     printed up to its "ready in" line (that line last) once it prints it, then stop it. Its output goes to a file, so
     an app left running never blocks on a full pipe."""
     port = free_port()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([python, str(app), "--host", "127.0.0.1", "--port", str(port), *args],
-                                cwd=app.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [python, str(app), "--host", "127.0.0.1", "--port", str(port), *args],
+            cwd=app.parent,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + timeout_s
             while True:

@@ -19,7 +19,9 @@ CORES = max(1, (os.cpu_count() or 1) // WORKERS)  # this process's share
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR') or default_cache_dir()}_{worker}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = (
+        f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR') or default_cache_dir()}_{worker}"
+    )
     os.environ["OMP_NUM_THREADS"] = str(CORES)
 torch.set_num_threads(min(2, CORES))
 
@@ -51,8 +53,12 @@ SLOW = ("compile", "browser", "app", "ray", "notebook")  # markers registered in
 # engine, a running app) are built once. The files that start a local Ray instance share one worker, so two Ray
 # instances never run at once, and so do the files that use the session's compiled engine, so it is compiled once.
 WORKER_GROUPS = {
-    "test_fresh_machine.py": "ray", "test_hostile_inputs.py": "ray", "test_ray_serve.py": "ray",
-    "test_engine.py": "compiled_manager", "test_failures.py": "compiled_manager", "test_slots.py": "compiled_manager",
+    "test_fresh_machine.py": "ray",
+    "test_hostile_inputs.py": "ray",
+    "test_ray_serve.py": "ray",
+    "test_engine.py": "compiled_manager",
+    "test_failures.py": "compiled_manager",
+    "test_slots.py": "compiled_manager",
 }
 
 
@@ -114,7 +120,7 @@ def manager(adapter_dir) -> LoraManager:
 
 @pytest.fixture(scope="session")
 def compiled_manager(adapter_dir) -> LoraManager:
-    """One compiled engine for the whole run (inductor takes a minute or two on this CPU), with two hotswap slots so
+    """One compiled engine for the whole run (inductor takes a minute or two on a 2-core CPU), with two hotswap slots so
     one-adapter, two-adapter and no-adapter requests all run through the same compiled graphs."""
     return LoraManager(load_tiny(), make_catalog(adapter_dir), compile=True, slots=2)
 
@@ -124,8 +130,9 @@ def reference(adapter_path: Path | None, strength: float = 1.0, seed: int = 0, p
     return mix_reference([(adapter_path, strength)] if adapter_path is not None else [], seed, prompt)
 
 
-def mix_reference(adapters: list[tuple[Path, float]], seed: int = 0, prompt: str = PROMPT,
-                  dtype: torch.dtype = torch.float32) -> np.ndarray:
+def mix_reference(
+    adapters: list[tuple[Path, float]], seed: int = 0, prompt: str = PROMPT, dtype: torch.dtype = torch.float32
+) -> np.ndarray:
     """Plain diffusers with each adapter loaded normally, combined by `set_adapters(names, strengths)`."""
     pipe = load_tiny(dtype)
     for i, (path, _) in enumerate(adapters):
@@ -148,7 +155,9 @@ def one(adapter: str | None, strength: float) -> tuple:
     return ((adapter, strength),) if adapter else ()
 
 
-def break_while_evicted(m: LoraManager, adapter_dir: Path, victim: Path, monkeypatch, resident: tuple[str, ...]) -> None:
+def break_while_evicted(
+    m: LoraManager, adapter_dir: Path, victim: Path, monkeypatch, resident: tuple[str, ...]
+) -> None:
     """Evict every adapter but `resident` from the CPU cache (a budget that holds only them and one filler), then
     empty the evicted `victim` file: the engine finds it broken only when it re-reads it."""
     monkeypatch.setattr(m.store, "budget_bytes", sum(m.info(a).bytes for a in resident) + m.info("r6_te").bytes)

@@ -135,9 +135,7 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.server_hub
         parts = urlsplit(self.path)
         path = unquote(parts.path)
-        hub._record(
-            Request(self.command, path, parse_qs(parts.query), {k.lower(): v for k, v in self.headers.items()})
-        )
+        hub._record(Request(self.command, path, parse_qs(parts.query), {k.lower(): v for k, v in self.headers.items()}))
         try:
             if path.startswith("/api/models/"):
                 self._api(path[len("/api/models/") :], head)

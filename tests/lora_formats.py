@@ -23,8 +23,18 @@ Peft = dict[str, torch.Tensor]  # "<module>.lora_A.weight" / "<module>.lora_B.we
 Select = Callable[[str], bool]
 
 SD_ATTN = ATTENTION
-LOCON = SD_ATTN + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2", "conv_shortcut",
-                   "time_emb_proj", "downsamplers.0.conv", "upsamplers.0.conv")
+LOCON = SD_ATTN + (
+    "ff.net.0.proj",
+    "ff.net.2",
+    "proj_in",
+    "proj_out",
+    "conv1",
+    "conv2",
+    "conv_shortcut",
+    "time_emb_proj",
+    "downsamplers.0.conv",
+    "upsamplers.0.conv",
+)
 TE_LAYERS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 FLUX_ATTN = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 # SGM's middle_block.N: resnet, attention, resnet
@@ -73,15 +83,18 @@ def targets_of(parts: dict[str, Peft]) -> frozenset[tuple[str, str]]:
 # ---- the families ---------------------------------------------------------------------------------------------------
 
 
-def write_peft(pipeline_cls: type, path: Path, parts: dict[str, Peft], ranks: dict[str, int],
-               alphas: dict[str, float]) -> None:
+def write_peft(
+    pipeline_cls: type, path: Path, parts: dict[str, Peft], ranks: dict[str, int], alphas: dict[str, float]
+) -> None:
     """What diffusers' `save_lora_weights` writes: `<component>.<module>.lora_A.weight`, each component's LoraConfig
     (r, lora_alpha, target_modules) in the `lora_adapter_metadata` header entry."""
     kwargs = {}
     for comp, sd in parts.items():
         kwargs[f"{comp}_lora_layers"] = sd
         kwargs[f"{comp}_lora_adapter_metadata"] = {
-            "r": ranks[comp], "lora_alpha": alphas[comp], "target_modules": modules_of(sd)
+            "r": ranks[comp],
+            "lora_alpha": alphas[comp],
+            "target_modules": modules_of(sd),
         }
     pipeline_cls.save_lora_weights(str(path.parent), weight_name=path.name, **kwargs)
 
@@ -95,8 +108,13 @@ def write_peft_alpha_tensors(path: Path, parts: dict[str, Peft], alpha_of: Calla
     save_file(tensors, str(path))
 
 
-def write_kohya(path: Path, parts: dict[str, Peft], alphas: dict[str, float], prefixes: dict[str, str],
-                rename: Callable[[str, str], str]) -> None:
+def write_kohya(
+    path: Path,
+    parts: dict[str, Peft],
+    alphas: dict[str, float],
+    prefixes: dict[str, str],
+    rename: Callable[[str, str], str],
+) -> None:
     """kohya-ss / A1111: `<prefix><module with '_' for '.'>.lora_down.weight`, `.lora_up.weight`, scalar `.alpha`."""
     tensors = {}
     for comp, sd in parts.items():
@@ -137,8 +155,12 @@ def text_model_name(text_encoder: torch.nn.Module) -> Callable[[str, str], str]:
 def sgm_name(module: str, layers_per_block: int) -> str:
     """A diffusers UNet module path in SGM/LDM numbering, as kohya-ss writes SDXL LoRAs: `down_blocks.1.attentions.0`
     -> `input_blocks.4.1`, resnet convs -> `in_layers.2` / `out_layers.3` / `emb_layers.1` / `skip_connection`."""
-    resnet = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
-              "conv_shortcut": "skip_connection"}
+    resnet = {
+        "conv1": "in_layers.2",
+        "conv2": "out_layers.3",
+        "time_emb_proj": "emb_layers.1",
+        "conv_shortcut": "skip_connection",
+    }
     per_block = layers_per_block + 1  # SGM counts the down/upsampler as a layer of the block
     parts = module.split(".")
     if parts[0] == "mid_block":
@@ -198,14 +220,18 @@ class Fused:
     B: torch.Tensor
 
 
-def flux_fused(transformer: torch.nn.Module, rank: int, seed: int, double=FLUX_DOUBLE, single=FLUX_SINGLE,
-               scale: float = 0.3) -> list[Fused]:
+def flux_fused(
+    transformer: torch.nn.Module, rank: int, seed: int, double=FLUX_DOUBLE, single=FLUX_SINGLE, scale: float = 0.3
+) -> list[Fused]:
     """Random fused LoRAs over every double- and single-stream block of `transformer`."""
     g = torch.Generator().manual_seed(seed)
-    blocks = [(f"double_blocks.{i}", f"transformer_blocks.{i}", double)
-              for i in range(len(transformer.transformer_blocks))]
-    blocks += [(f"single_blocks.{i}", f"single_transformer_blocks.{i}", single)
-               for i in range(len(transformer.single_transformer_blocks))]
+    blocks = [
+        (f"double_blocks.{i}", f"transformer_blocks.{i}", double) for i in range(len(transformer.transformer_blocks))
+    ]
+    blocks += [
+        (f"single_blocks.{i}", f"single_transformer_blocks.{i}", single)
+        for i in range(len(transformer.single_transformer_blocks))
+    ]
     out = []
     for bfl, diffusers, table in blocks:
         for name, leaves in table:
@@ -221,11 +247,13 @@ def fused_targets(fused: list[Fused]) -> frozenset[tuple[str, str]]:
     return frozenset(("transformer", m) for f in fused for m in f.modules)
 
 
-def write_flux_kohya(path: Path, fused: list[Fused], alpha: float, te: Peft | None = None,
-                     te_alpha: float = 0.0, comfyui: bool = False) -> None:
+def write_flux_kohya(
+    path: Path, fused: list[Fused], alpha: float, te: Peft | None = None, te_alpha: float = 0.0, comfyui: bool = False
+) -> None:
     """sd-scripts (`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`, text encoder `lora_te1_…`) or, with
     `comfyui`, ComfyUI's spelling of the same (`diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight`,
     `text_encoders.clip_l.transformer.text_model.…`). Alpha as scalar `.alpha` tensors."""
+
     def unet(name: str) -> str:
         return f"diffusion_model.{name}" if comfyui else "lora_unet_" + name.replace(".", "_")
 
@@ -260,23 +288,40 @@ def sd15_files(pipe, folder: Path) -> dict[str, LoraFile]:
     cls, files = type(pipe), {}
     unet, te = pipe.unet, pipe.text_encoder
 
-    parts = {"unet": random_lora(unet, ends_with(*LOCON), 8, seed=11),
-             "text_encoder": random_lora(te, ends_with(*TE_LAYERS), 4, seed=12)}
-    write_kohya(folder / "kohya_locon_te.safetensors", parts, {"unet": 4, "text_encoder": 6},
-                {"unet": "lora_unet_", "text_encoder": "lora_te_"}, text_model_name(te))
+    parts = {
+        "unet": random_lora(unet, ends_with(*LOCON), 8, seed=11),
+        "text_encoder": random_lora(te, ends_with(*TE_LAYERS), 4, seed=12),
+    }
+    write_kohya(
+        folder / "kohya_locon_te.safetensors",
+        parts,
+        {"unet": 4, "text_encoder": 6},
+        {"unet": "lora_unet_", "text_encoder": "lora_te_"},
+        text_model_name(te),
+    )
     files["kohya_locon_te"] = LoraFile(folder / "kohya_locon_te.safetensors", "kohya", 8, 4, True, targets_of(parts))
 
-    parts = {"unet": random_lora(unet, ends_with(*SD_ATTN), 6, seed=13),
-             "text_encoder": random_lora(te, ends_with("q_proj", "v_proj"), 3, seed=14)}
-    write_peft(cls, folder / "peft_meta_te.safetensors", parts, {"unet": 6, "text_encoder": 3},
-               {"unet": 12, "text_encoder": 1.5})
+    parts = {
+        "unet": random_lora(unet, ends_with(*SD_ATTN), 6, seed=13),
+        "text_encoder": random_lora(te, ends_with("q_proj", "v_proj"), 3, seed=14),
+    }
+    write_peft(
+        cls,
+        folder / "peft_meta_te.safetensors",
+        parts,
+        {"unet": 6, "text_encoder": 3},
+        {"unet": 12, "text_encoder": 1.5},
+    )
     files["peft_meta_te"] = LoraFile(folder / "peft_meta_te.safetensors", "peft", 6, 12, True, targets_of(parts))
 
-    parts = {"unet": random_lora(unet, ends_with(*SD_ATTN, "proj_in", "ff.net.2"), 5, seed=15),
-             "text_encoder": random_lora(te, ends_with(*TE_LAYERS), 2, seed=16)}
+    parts = {
+        "unet": random_lora(unet, ends_with(*SD_ATTN, "proj_in", "ff.net.2"), 5, seed=15),
+        "text_encoder": random_lora(te, ends_with(*TE_LAYERS), 2, seed=16),
+    }
     write_diffusers_old(folder / "diffusers_old_te.safetensors", parts)
-    files["diffusers_old_te"] = LoraFile(folder / "diffusers_old_te.safetensors", "diffusers", 5, 5, True,
-                                         targets_of(parts))
+    files["diffusers_old_te"] = LoraFile(
+        folder / "diffusers_old_te.safetensors", "diffusers", 5, 5, True, targets_of(parts)
+    )
     return files
 
 
@@ -292,37 +337,58 @@ def sdxl_files(pipe, folder: Path) -> dict[str, LoraFile]:
     def sgm(comp: str, m: str) -> str:
         return sgm_name(m, layers) if comp == "unet" else te_names(comp, m)
 
-    parts = {"unet": random_lora(unet, ends_with(*LOCON), 8, seed=21),
-             "text_encoder": random_lora(te1, ends_with(*TE_LAYERS), 4, seed=22),
-             "text_encoder_2": random_lora(te2, ends_with(*TE_LAYERS), 4, seed=23)}
-    write_kohya(folder / "kohya_sgm_locon_te.safetensors", parts,
-                {"unet": 4, "text_encoder": 2, "text_encoder_2": 3}, kohya_prefixes, sgm)
-    files["kohya_sgm_locon_te"] = LoraFile(folder / "kohya_sgm_locon_te.safetensors", "kohya", 8, 4, True,
-                                           targets_of(parts))
+    parts = {
+        "unet": random_lora(unet, ends_with(*LOCON), 8, seed=21),
+        "text_encoder": random_lora(te1, ends_with(*TE_LAYERS), 4, seed=22),
+        "text_encoder_2": random_lora(te2, ends_with(*TE_LAYERS), 4, seed=23),
+    }
+    write_kohya(
+        folder / "kohya_sgm_locon_te.safetensors",
+        parts,
+        {"unet": 4, "text_encoder": 2, "text_encoder_2": 3},
+        kohya_prefixes,
+        sgm,
+    )
+    files["kohya_sgm_locon_te"] = LoraFile(
+        folder / "kohya_sgm_locon_te.safetensors", "kohya", 8, 4, True, targets_of(parts)
+    )
 
     parts = {"unet": random_lora(unet, ends_with(*SD_ATTN), 4, seed=24)}
     write_kohya(folder / "kohya_sgm_attn.safetensors", parts, {"unet": 8}, kohya_prefixes, sgm)
-    files["kohya_sgm_attn"] = LoraFile(folder / "kohya_sgm_attn.safetensors", "kohya", 4, 8, False,
-                                       targets_of(parts))
+    files["kohya_sgm_attn"] = LoraFile(folder / "kohya_sgm_attn.safetensors", "kohya", 4, 8, False, targets_of(parts))
 
-    parts = {"unet": random_lora(unet, ends_with(*SD_ATTN, "proj_in", "proj_out", "conv1"), 6, seed=25),
-             "text_encoder": random_lora(te1, ends_with(*TE_LAYERS), 2, seed=26)}
-    write_kohya(folder / "kohya_diffusers_names_te1.safetensors", parts, {"unet": 3, "text_encoder": 1},
-                kohya_prefixes, te_names)
-    files["kohya_diffusers_names_te1"] = LoraFile(folder / "kohya_diffusers_names_te1.safetensors", "kohya", 6, 3,
-                                                  True, targets_of(parts))
+    parts = {
+        "unet": random_lora(unet, ends_with(*SD_ATTN, "proj_in", "proj_out", "conv1"), 6, seed=25),
+        "text_encoder": random_lora(te1, ends_with(*TE_LAYERS), 2, seed=26),
+    }
+    write_kohya(
+        folder / "kohya_diffusers_names_te1.safetensors",
+        parts,
+        {"unet": 3, "text_encoder": 1},
+        kohya_prefixes,
+        te_names,
+    )
+    files["kohya_diffusers_names_te1"] = LoraFile(
+        folder / "kohya_diffusers_names_te1.safetensors", "kohya", 6, 3, True, targets_of(parts)
+    )
 
-    parts = {"unet": random_lora(unet, ends_with(*SD_ATTN, "ff.net.0.proj", "ff.net.2"), 5, seed=27),
-             "text_encoder": random_lora(te1, ends_with("q_proj", "k_proj", "v_proj"), 3, seed=28),
-             "text_encoder_2": random_lora(te2, ends_with("q_proj", "k_proj", "v_proj"), 2, seed=29)}
-    write_peft(cls, folder / "peft_meta_te12.safetensors", parts, {"unet": 5, "text_encoder": 3, "text_encoder_2": 2},
-               {"unet": 10, "text_encoder": 3, "text_encoder_2": 4})
+    parts = {
+        "unet": random_lora(unet, ends_with(*SD_ATTN, "ff.net.0.proj", "ff.net.2"), 5, seed=27),
+        "text_encoder": random_lora(te1, ends_with("q_proj", "k_proj", "v_proj"), 3, seed=28),
+        "text_encoder_2": random_lora(te2, ends_with("q_proj", "k_proj", "v_proj"), 2, seed=29),
+    }
+    write_peft(
+        cls,
+        folder / "peft_meta_te12.safetensors",
+        parts,
+        {"unet": 5, "text_encoder": 3, "text_encoder_2": 2},
+        {"unet": 10, "text_encoder": 3, "text_encoder_2": 4},
+    )
     files["peft_meta_te12"] = LoraFile(folder / "peft_meta_te12.safetensors", "peft", 5, 10, True, targets_of(parts))
 
     parts = {"unet": random_lora(unet, ends_with(*SD_ATTN, "proj_in"), 3, seed=30)}
     write_diffusers_old(folder / "diffusers_old.safetensors", parts)
-    files["diffusers_old"] = LoraFile(folder / "diffusers_old.safetensors", "diffusers", 3, 3, False,
-                                      targets_of(parts))
+    files["diffusers_old"] = LoraFile(folder / "diffusers_old.safetensors", "diffusers", 3, 3, False, targets_of(parts))
     return files
 
 
@@ -335,27 +401,40 @@ def flux_files(pipe, folder: Path) -> dict[str, LoraFile]:
     def is_double(module: str) -> bool:
         return module.startswith("transformer_blocks.")
 
-    parts = {"transformer": random_lora(transformer, ends_with(*FLUX_ATTN), 4, seed=31),
-             "text_encoder": random_lora(te, ends_with(*TE_LAYERS), 2, seed=32)}
-    write_peft(cls, folder / "peft_meta_te.safetensors", parts, {"transformer": 4, "text_encoder": 2},
-               {"transformer": 8, "text_encoder": 1})
+    parts = {
+        "transformer": random_lora(transformer, ends_with(*FLUX_ATTN), 4, seed=31),
+        "text_encoder": random_lora(te, ends_with(*TE_LAYERS), 2, seed=32),
+    }
+    write_peft(
+        cls,
+        folder / "peft_meta_te.safetensors",
+        parts,
+        {"transformer": 4, "text_encoder": 2},
+        {"transformer": 8, "text_encoder": 1},
+    )
     files["peft_meta_te"] = LoraFile(folder / "peft_meta_te.safetensors", "peft", 4, 8, True, targets_of(parts))
 
     # ai-toolkit: every linear layer of the blocks; here double blocks at rank 8 / alpha 4, single blocks at rank 4 /
     # alpha 8, so both diffusers' rank_pattern and alpha_pattern come into play.
     double = random_lora(transformer, lambda n: is_double(n) and "norm" not in n, 8, seed=33)
-    single = random_lora(transformer, lambda n: n.startswith("single_transformer_blocks.") and "norm" not in n, 4,
-                         seed=34)
+    single = random_lora(
+        transformer, lambda n: n.startswith("single_transformer_blocks.") and "norm" not in n, 4, seed=34
+    )
     parts = {"transformer": double | single}
-    write_peft_alpha_tensors(folder / "ai_toolkit.safetensors", parts,
-                             lambda comp, m: 4.0 if is_double(m) else 8.0)
+    write_peft_alpha_tensors(folder / "ai_toolkit.safetensors", parts, lambda comp, m: 4.0 if is_double(m) else 8.0)
     files["ai_toolkit"] = LoraFile(folder / "ai_toolkit.safetensors", "peft+alpha", 8, 4, False, targets_of(parts))
 
     fused = flux_fused(transformer, 6, seed=35)
     te_part = random_lora(te, ends_with(*TE_LAYERS), 3, seed=36)
     write_flux_kohya(folder / "kohya_te.safetensors", fused, alpha=3, te=te_part, te_alpha=6)
-    files["kohya_te"] = LoraFile(folder / "kohya_te.safetensors", "kohya", 6, 3, True,
-                                 fused_targets(fused) | targets_of({"text_encoder": te_part}))
+    files["kohya_te"] = LoraFile(
+        folder / "kohya_te.safetensors",
+        "kohya",
+        6,
+        3,
+        True,
+        fused_targets(fused) | targets_of({"text_encoder": te_part}),
+    )
 
     fused = flux_fused(transformer, 5, seed=37, single=())
     write_flux_kohya(folder / "kohya.safetensors", fused, alpha=10)
@@ -364,8 +443,14 @@ def flux_files(pipe, folder: Path) -> dict[str, LoraFile]:
     fused = flux_fused(transformer, 8, seed=38)
     te_part = random_lora(te, ends_with("q_proj", "k_proj", "v_proj", "out_proj"), 4, seed=39)
     write_flux_kohya(folder / "comfyui_te.safetensors", fused, alpha=16, te=te_part, te_alpha=4, comfyui=True)
-    files["comfyui_te"] = LoraFile(folder / "comfyui_te.safetensors", "comfyui", 8, 16, True,
-                                   fused_targets(fused) | targets_of({"text_encoder": te_part}))
+    files["comfyui_te"] = LoraFile(
+        folder / "comfyui_te.safetensors",
+        "comfyui",
+        8,
+        16,
+        True,
+        fused_targets(fused) | targets_of({"text_encoder": te_part}),
+    )
 
     fused = flux_fused(transformer, 4, seed=40, double=XLABS_DOUBLE, single=())
     write_xlabs(folder / "xlabs.safetensors", fused)

@@ -21,9 +21,14 @@ READY_TIMEOUT_S = 300  # a local Ray instance and the replicas' pipelines, on a 
 def running_serve(args: list[str], port: int, log: Path) -> Iterator[str]:
     """Start `python -m lora_manager serve *args` (its output in `log`); yield its URL once GET /info answers."""
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lora_manager", "serve", *args], cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lora_manager", "serve", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -23,8 +23,15 @@ import torch
 from torch._dynamo.utils import counters
 
 from lora_manager import LoraManager
-from lora_manager.hotswap.aot import (AotShapeError, DenoiserShapes, check_capability, file_digest, open_package,
-                                      package_denoiser, read_metadata)
+from lora_manager.hotswap.aot import (
+    AotShapeError,
+    DenoiserShapes,
+    check_capability,
+    file_digest,
+    open_package,
+    package_denoiser,
+    read_metadata,
+)
 from lora_manager.testing import levels
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
@@ -34,8 +41,18 @@ PROMPT = "a red circle on a blue background"
 # ranks 5, 16 (conv only), 12, 8 (+ text encoder), 4 (kohya keys), 32; alphas above, below and equal to the rank;
 # no adapter; strength changes of a live adapter and revisits after larger ranks (stale padding would show)
 SEQUENCE = [
-    ("stripes", 1.0), ("outline", 1.0), ("dots", 1.0), ("pixel", 1.0), (None, 1.0), ("stripes", 0.5),
-    ("stripes", 1.3), ("frame", 0.8), ("checker", 1.0), ("outline", 0.7), ("pixel", 0.6), ("dots", 1.0),
+    ("stripes", 1.0),
+    ("outline", 1.0),
+    ("dots", 1.0),
+    ("pixel", 1.0),
+    (None, 1.0),
+    ("stripes", 0.5),
+    ("stripes", 1.3),
+    ("frame", 0.8),
+    ("checker", 1.0),
+    ("outline", 0.7),
+    ("pixel", 0.6),
+    ("dots", 1.0),
 ]
 
 
@@ -67,8 +84,9 @@ def package(tmp_path_factory):
     with engine() as builder:
         builder.generate(PROMPT, "dots", 0.8, steps=1)
         gen = builder.generation_defaults
-        shapes = DenoiserShapes.for_pipeline(builder.pipe, gen["height"], gen["width"], images=1,
-                                             guidance=gen["guidance_scale"] > 1)
+        shapes = DenoiserShapes.for_pipeline(
+            builder.pipe, gen["height"], gen["width"], images=1, guidance=gen["guidance_scale"] > 1
+        )
         path = tmp_path_factory.mktemp("aot") / "tiny_unet.pt2"
         t0 = time.perf_counter()
         package_denoiser(builder.pipe, path, shapes)
@@ -106,8 +124,13 @@ def test_swaps_match_the_eager_engine_without_compiling(served, eager, package, 
 
     import torch._inductor.compile_fx as compile_fx
 
-    for module, name in [(torch._inductor, "aoti_compile_and_package"), (torch._inductor, "aot_compile"),
-                         (compile_fx, "compile_fx"), (compile_fx, "compile_fx_aot"), (torch.export, "export")]:
+    for module, name in [
+        (torch._inductor, "aoti_compile_and_package"),
+        (torch._inductor, "aot_compile"),
+        (compile_fx, "compile_fx"),
+        (compile_fx, "compile_fx_aot"),
+        (torch.export, "export"),
+    ]:
         monkeypatch.setattr(module, name, no_compile)
 
     base = None
@@ -131,8 +154,10 @@ def test_swaps_match_the_eager_engine_without_compiling(served, eager, package, 
     assert file_digest(package.path) == digest and package.path.stat().st_mtime_ns == mtime
     assert inductor_files() == files, "the inductor cache grew while serving"
     assert counters["stats"]["unique_graphs"] == graphs and dict(counters["inductor"]) == inductor
-    print(f"\nper image ({steps} steps, batch {package.shapes.batch}): AOT {np.median(aot_ms):.0f} ms, "
-          f"eager {np.median(eager_ms):.0f} ms (medians of {len(SEQUENCE)}); levels from eager: {diffs}")
+    print(
+        f"\nper image ({steps} steps, batch {package.shapes.batch}): AOT {np.median(aot_ms):.0f} ms, "
+        f"eager {np.median(eager_ms):.0f} ms (medians of {len(SEQUENCE)}); levels from eager: {diffs}"
+    )
 
 
 def test_other_shapes_are_refused_not_miscomputed(served):
@@ -152,14 +177,18 @@ def test_a_package_names_its_cuda_capability_and_another_gpu_is_refused(package)
     assert read_metadata(open_package(package.path))["cuda_capability"] is None
     check_capability(None, "9.0", "cpu.pt2")
     check_capability("9.0", "9.0", "h100.pt2")
-    with pytest.raises(AotShapeError, match=r"a10\.pt2 was compiled for CUDA compute capability 8\.6; this device "
-                                            r"has 9\.0\. Build a package on this GPU"):
+    with pytest.raises(
+        AotShapeError,
+        match=r"a10\.pt2 was compiled for CUDA compute capability 8\.6; this device "
+        r"has 9\.0\. Build a package on this GPU",
+    ):
         check_capability("8.6", "9.0", "a10.pt2")
     with pytest.raises(AotShapeError, match="this device has no CUDA"):
         check_capability("8.6", None, "a10.pt2")
 
 
-CHILD = textwrap.dedent("""
+CHILD = (
+    textwrap.dedent("""
     import json, os, sys, time
     t0 = time.perf_counter()
     import numpy as np, torch
@@ -178,17 +207,23 @@ CHILD = textwrap.dedent("""
         "calls": aot.calls, "cache_files": [f for _, _, fs in os.walk(cache) for f in fs],
         "compile_modules": [n for n in ("torch._inductor.compile_fx", "torch._inductor.codecache") if n in sys.modules],
     }))
-""") % PROMPT
+""")
+    % PROMPT
+)
 
 
 def test_a_fresh_process_serves_from_the_package_without_compiling(package, eager, tmp_path):
     cache = tmp_path / "inductor_cache"
     cache.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+    }
     out = tmp_path / "images.npz"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(package.path), str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(package.path), str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["calls"] > 0 and report["cache_files"] == [] and report["compile_modules"] == [], report
@@ -197,6 +232,8 @@ def test_a_fresh_process_serves_from_the_package_without_compiling(package, eage
         want = pixels(eager.generate(PROMPT, adapter, strength, seed=2))
         assert levels(images[adapter], want) <= 1, adapter
     assert report["load_s"] < package.build_s / 20
-    print(f"\nfresh process: package loaded and bound in {report['load_s'] * 1e3:.0f} ms (built in "
-          f"{package.build_s:.1f} s); engine start {report['engine_s']:.1f} s, "
-          f"first image {report['first_image_s']:.2f} s")
+    print(
+        f"\nfresh process: package loaded and bound in {report['load_s'] * 1e3:.0f} ms (built in "
+        f"{package.build_s:.1f} s); engine start {report['engine_s']:.1f} s, "
+        f"first image {report['first_image_s']:.2f} s"
+    )

@@ -9,14 +9,21 @@ import json
 from urllib.parse import urlparse
 
 import pytest
+
 from test_app_api import CATALOG, ROOT, adapter_ids, running_app  # noqa: F401
 from test_app_api import pytestmark as app_marks
 
 playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = [*app_marks, pytest.mark.browser]  # app_marks: `app`, and a skip without the preset
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 SCREENSHOT = ROOT / "test-artifacts" / "app.png"
 TIMEOUT_MS = 90_000
 

@@ -24,8 +24,10 @@ CATALOG = Path(PRESET) if PRESET.endswith(".json") else ROOT / "lora_manager" / 
 PROMPT = "a red circle on a blue background"
 READY_TIMEOUT_S = 240  # a 2-core CPU can be slow to import torch + diffusers + gradio
 
-pytestmark = [pytest.mark.app,
-              pytest.mark.skipif(not CATALOG.is_file(), reason=f"no catalog at {CATALOG} (tiny preset not built yet)")]
+pytestmark = [
+    pytest.mark.app,
+    pytest.mark.skipif(not CATALOG.is_file(), reason=f"no catalog at {CATALOG} (tiny preset not built yet)"),
+]
 
 
 def adapter_ids() -> list[str]:
@@ -52,17 +54,20 @@ def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
 
 def test_the_app_prints_nothing_but_its_own_lines_before_ready():
     """No third-party warning, progress bar or load report before "ready": only Gradio's URL lines and the app's."""
-    with testing.running_app(ROOT / "app.py", [], {**os.environ, "HF_HUB_OFFLINE": "1", "LORA_PRESET": PRESET},
-                             READY_TIMEOUT_S) as (_, output):
+    with testing.running_app(
+        ROOT / "app.py", [], {**os.environ, "HF_HUB_OFFLINE": "1", "LORA_PRESET": PRESET}, READY_TIMEOUT_S
+    ) as (_, output):
         lines = output.splitlines()
     assert lines[-1].startswith("ready in ") and all(
-        line.startswith(("* Running on local URL", "* To create a public link")) for line in lines[:-1]), output
+        line.startswith(("* Running on local URL", "* To create a public link")) for line in lines[:-1]
+    ), output
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     """The app with HF_ENDPOINT on a local Hub emulator that serves a copy of the catalog's last adapter."""
     from gradio_client import Client
+
     from hub_server import HubServer, Repo
 
     spec = json.loads(CATALOG.read_text())["adapters"][-1]
@@ -92,8 +97,14 @@ def test_generate_per_adapter(client):
         assert info["recompiles"] == 0
         # eager on the CPU by default; a compiled start lists its compile phase
         compiled = ["compile_artifacts", "compile", "warm_up"] if info["compiled"] else []
-        assert list(info["startup_s"]) == ["imports", "pipeline_load", "adapter_reads", "template", *compiled,
-                                           "ui_launch"]
+        assert list(info["startup_s"]) == [
+            "imports",
+            "pipeline_load",
+            "adapter_reads",
+            "template",
+            *compiled,
+            "ui_launch",
+        ]
         assert info["compile_source"].startswith(("artifacts", "compiled") if compiled else "eager")
         assert adapter == "" or adapter in info["cpu_cache"]["adapters"]
     assert len(set(digests.values())) == len(ids), f"images not pairwise different: {digests}"
@@ -159,7 +170,7 @@ def test_concurrent_api_requests_each_get_their_own_adapter(client):
     pending = [client.submit(PROMPT, a, 0.9, s, 4, api_name="/generate") for a, s in jobs]
     together = [Image.open(job.result(timeout=300)[0]).convert("RGB") for job in pending]
     alone = [Image.open(client.predict(PROMPT, a, 0.9, s, 4, api_name="/generate")[0]).convert("RGB") for a, s in jobs]
-    diffs = [levels(t, a) for t, a in zip(together, alone)]
+    diffs = [levels(t, a) for t, a in zip(together, alone, strict=True)]
     assert max(diffs) <= 1, diffs
 
 

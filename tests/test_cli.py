@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from conftest import ADAPTERS, ROOT
-from PIL import Image
 
 pytestmark = pytest.mark.slow  # each test starts a Python that imports torch and diffusers
 
@@ -52,13 +52,44 @@ def test_generate_writes_a_png_with_reproducible_info(tmp_path):
 
 def test_generate_in_half_precision_from_the_flag_and_the_environment(tmp_path):
     """--dtype (or LORA_DTYPE) picks the pipeline's dtype: the app's engine, mixed batches included, in bfloat16."""
-    out = run("generate", "--prompt", "a red circle", "--steps", "2", "--out", str(tmp_path / "b.png"),
-              "--adapter", "stripes", "--adapter", "dots", "--max-batch", "4", "--dtype", "bfloat16")
+    out = run(
+        "generate",
+        "--prompt",
+        "a red circle",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "b.png"),
+        "--adapter",
+        "stripes",
+        "--adapter",
+        "dots",
+        "--max-batch",
+        "4",
+        "--dtype",
+        "bfloat16",
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["dtype"] == "bfloat16"
-    env = subprocess.run([sys.executable, "-m", "lora_manager", "generate", "--prompt", "x", "--steps", "1", "--out",
-                          str(tmp_path / "h.png")], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "LORA_DTYPE": "float16"})
+    env = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lora_manager",
+            "generate",
+            "--prompt",
+            "x",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "h.png"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "LORA_DTYPE": "float16"},
+    )
     assert env.returncode == 0, env.stderr
     assert json.loads(env.stdout)["dtype"] == "float16"
     bad = run("generate", "--prompt", "x", "--out", str(tmp_path / "x.png"), "--dtype", "half")
@@ -66,8 +97,24 @@ def test_generate_in_half_precision_from_the_flag_and_the_environment(tmp_path):
 
 
 def test_generate_repeats_on_the_apps_engine_and_reports_its_latency(tmp_path):
-    out = run("generate", "--prompt", "a red circle", "--steps", "2", "--out", str(tmp_path / "r.png"),
-              "--adapter", "stripes", "--slots", "2", "--max-batch", "4", "--repeat", "3", "--no-compile")
+    out = run(
+        "generate",
+        "--prompt",
+        "a red circle",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "r.png"),
+        "--adapter",
+        "stripes",
+        "--slots",
+        "2",
+        "--max-batch",
+        "4",
+        "--repeat",
+        "3",
+        "--no-compile",
+    )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert 0 < info["generate_ms_min"] <= info["generate_ms_median"] and "template" in info["startup_s"]
@@ -77,8 +124,19 @@ def test_generate_repeats_on_the_apps_engine_and_reports_its_latency(tmp_path):
 
 def test_generate_combines_adapters_given_twice(tmp_path):
     png = tmp_path / "mix.png"
-    out = run("generate", "--prompt", "a red circle on a blue background", "--steps", "2", "--out", str(png),
-              "--adapter", "stripes:0.8", "--adapter", "outline")
+    out = run(
+        "generate",
+        "--prompt",
+        "a red circle on a blue background",
+        "--steps",
+        "2",
+        "--out",
+        str(png),
+        "--adapter",
+        "stripes:0.8",
+        "--adapter",
+        "outline",
+    )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["adapter"] == ["stripes", "outline"] and info["strength"] == [0.8, 1.0]

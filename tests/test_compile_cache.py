@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, ROOT
 
 from lora_manager import LoraManager
 from lora_manager.errors import LoraManagerError
 from lora_manager.hotswap import compile_cache
+
+from conftest import PROMPT, ROOT
 
 TINY = ROOT / "lora_manager" / "presets" / "tiny"
 SHOWN = (None, "frame", "pixel")  # the adapters each start draws, with seed 3 and 3 steps
@@ -72,8 +73,20 @@ def run(*args: str, cache: str, timeout: int = 900) -> str:
 @pytest.mark.compile
 def test_a_bundle_starts_a_fresh_process_compiled_without_compiling(tmp_path):
     catalog = catalog_outside_the_repo(tmp_path)
-    built = json.loads(run("-m", "lora_manager", "compile-cache", "--preset", catalog, "--slots", "2",
-                           "--max-batch", "1", cache=str(tmp_path / "unused")))
+    built = json.loads(
+        run(
+            "-m",
+            "lora_manager",
+            "compile-cache",
+            "--preset",
+            catalog,
+            "--slots",
+            "2",
+            "--max-batch",
+            "1",
+            cache=str(tmp_path / "unused"),
+        )
+    )
     assert (tmp_path / "compiled").is_dir() and built["bundle"].startswith(str(tmp_path / "compiled"))
     assert built["cpp_kernels"] > 0 and built["cpp_kernels_portable"] == built["cpp_kernels"]
     assert as_if_built_elsewhere(Path(built["bundle"])) == 2 * built["cpp_kernels"]
@@ -92,8 +105,9 @@ def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
     key = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 32, 2, 100, {"height": 64})
     assert "version" in key.toolchain  # the compiler's own version text: another gcc builds other kernels
     assert key.threads == torch.get_num_threads()  # inductor's graph keys hold the kernels' thread count
-    other = compile_cache.BundleKey(**{**key.__dict__, "torch": "0.0.1", "capability": "AVX9", "toolchain": "cc 1",
-                                       "threads": key.threads + 1})
+    other = compile_cache.BundleKey(
+        **{**key.__dict__, "torch": "0.0.1", "capability": "AVX9", "toolchain": "cc 1", "threads": key.threads + 1}
+    )
     (tmp_path / "empty").mkdir()
     path, kernels, _ = compile_cache.build(tmp_path / "b.tar.gz", other, tmp_path / "empty")
     assert kernels == 0
@@ -116,8 +130,9 @@ def test_on_cuda_a_missing_c_compiler_for_triton_says_why(monkeypatch, tmp_path)
     """Triton builds its CUDA launchers with a C compiler: CC, else gcc, else clang (triton/runtime/build.py)."""
     cuda = torch.device("cuda")
     monkeypatch.setenv("CC", str(tmp_path / "no-cc"))
-    assert compile_cache.missing_compiler(cuda) == (f"Triton builds its CUDA launchers with the C compiler CC names "
-                                                    f"({tmp_path / 'no-cc'}), which is not found")
+    assert compile_cache.missing_compiler(cuda) == (
+        f"Triton builds its CUDA launchers with the C compiler CC names ({tmp_path / 'no-cc'}), which is not found"
+    )
     monkeypatch.delenv("CC")
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
     assert "none was found (gcc, clang or CC)" in compile_cache.missing_compiler(cuda)
@@ -141,11 +156,28 @@ def test_startbench_starts_the_app_eager_and_from_the_shipped_bundle_without_com
             shipped[path] = json.load(tar.extractfile(compile_cache.MANIFEST))
     fitting = [(p, m) for p, m in shipped.items() if all(getattr(here, k) == m[k] for k in machine)]
     if not fitting:
-        pytest.skip(f"no shipped bundle fits this CPU ({here.capability}, {here.machine}, torch {here.torch}, its compiler)")
+        pytest.skip(
+            f"no shipped bundle fits this CPU ({here.capability}, {here.machine}, torch {here.torch}, its compiler)"
+        )
     [(bundle, built_for)] = fitting
-    out = subprocess.run([sys.executable, "-m", "lora_manager", "startbench", "--rounds", "1", "--threads",
-                          str(built_for["threads"]), "--json", str(tmp_path / "start.json")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lora_manager",
+            "startbench",
+            "--rounds",
+            "1",
+            "--threads",
+            str(built_for["threads"]),
+            "--json",
+            str(tmp_path / "start.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "start.json").read_text())
     starts = {s["mode"]: s for s in result["starts"]}
@@ -154,6 +186,11 @@ def test_startbench_starts_the_app_eager_and_from_the_shipped_bundle_without_com
     assert starts["compiled"]["compile_source"] == f"artifacts ({bundle.name}): no graph compiled"
     assert "compile artifacts" in starts["compiled"]["phases"] and "warm up" in starts["compiled"]["phases"]
     assert result["ratios"] == [round(starts["compiled"]["ready_s"] / starts["eager"]["ready_s"], 2)]
-    none = subprocess.run([sys.executable, "-m", "lora_manager", "startbench", "--rounds", "0"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    none = subprocess.run(
+        [sys.executable, "-m", "lora_manager", "startbench", "--rounds", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert none.returncode != 0 and "--rounds 0: measure at least one pair" in none.stderr

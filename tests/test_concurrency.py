@@ -6,12 +6,13 @@ import threading
 import time
 
 import pytest
-from conftest import ADAPTERS, PROMPT, load_tiny, make_catalog
 
 from lora_manager import LoraManager, QueueFullError
 from lora_manager.bench.load import PROMPTS, Job, cycle_jobs, make_jobs, run_engine, run_naive, solo_references
-from lora_manager.testing import levels
 from lora_manager.scheduler import Request, Scheduler
+from lora_manager.testing import levels
+
+from conftest import ADAPTERS, PROMPT, load_tiny, make_catalog
 
 ADAPTER_IDS = [None, *ADAPTERS]
 
@@ -57,13 +58,15 @@ def test_same_adapter_requests_batch_and_equal_their_solo_images(adapter_dir):
     m = LoraManager(load_tiny(), make_catalog(adapter_dir), max_batch=4)
     gate = threading.Event()
     blocker = m.submit(PROMPT, callback_on_step_end=lambda *a: (gate.wait(), a[3])[1])  # holds the worker
-    same = [Job(prompt, "r4_attn", 0.8, seed) for prompt, seed in zip(PROMPTS, (11, 12, 13))]  # one batch key
+    same = [
+        Job(prompt, "r4_attn", 0.8, seed) for prompt, seed in zip(PROMPTS, (11, 12, 13), strict=True)
+    ]  # one batch key
     futures = [m.submit(j.prompt, j.adapter, j.strength, j.seed) for j in same]
     gate.set()
     blocker.result()
     results = [f.result() for f in futures]
     assert {r.info["batch_size"] for r in results} == {3}
-    for job, result in zip(same, results):
+    for job, result in zip(same, results, strict=True):
         solo = m.generate(job.prompt, job.adapter, job.strength, job.seed).image
         assert levels(result.image, solo) <= 1
 
@@ -91,8 +94,10 @@ def test_scheduler_groups_by_adapter_and_never_starves_one():
     assert [f.result(timeout=5) for f in futures] == list(range(1, len(arrivals) + 1))
     first.result(timeout=5)
     served = order[1:]
-    changes = sum(x != y for x, y in zip(order, order[1:]))
-    assert changes < sum(x != y for x, y in zip(["a", *arrivals], arrivals))  # fewer swaps than arrival order
+    changes = sum(x != y for x, y in zip(order, order[1:], strict=False))
+    assert changes < sum(
+        x != y for x, y in zip(["a", *arrivals], arrivals, strict=False)
+    )  # fewer swaps than arrival order
     streak = 1
     for i in range(1, len(order)):
         streak = streak + 1 if order[i] == order[i - 1] else 1

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import ADAPTERS, PROMPT, as_float, load_tiny, make_catalog, reference
 
 from lora_manager import LoraManager, RequestError, UnknownAdapterError
 from lora_manager.testing import levels
+
+from conftest import ADAPTERS, PROMPT, as_float, load_tiny, make_catalog, reference
 
 # Each step is (adapter, strength); the sequence revisits adapters after others of other ranks and targets.
 SEQUENCE = [

@@ -7,9 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import as_float, assert_same_slots, one, snapshot_slots
-from lora_manager.adapters.inspection import ATTENTION as ATTN
-from lora_manager.testing import rewrite, write_adapter
 
 from lora_manager import (
     AdapterFormatError,
@@ -18,6 +15,10 @@ from lora_manager import (
     AdapterValueError,
     CacheBudgetError,
 )
+from lora_manager.adapters.inspection import ATTENTION as ATTN
+from lora_manager.testing import rewrite, write_adapter
+
+from conftest import as_float, assert_same_slots, one, snapshot_slots
 
 LIVE = ([("r7_conv", 0.8), ("r6_te", 0.5)], 1.0)  # both slots of the compiled engine in use, text encoder too
 
@@ -32,50 +33,86 @@ def _bad_files(pipe, base, folder):
     return {
         "target outside the template": (
             write_adapter(pipe, f / "time.safetensors", rank=4, alpha=4, suffixes=("time_emb_proj",)),
-            AdapterIncompatibleError, "template does not cover",
+            AdapterIncompatibleError,
+            "template does not cover",
         ),
         "rank above target_rank": (
             write_adapter(pipe, f / "r32.safetensors", rank=32, alpha=32, suffixes=ATTN),
-            AdapterIncompatibleError, "rank 32 .* > target_rank 16: restart with --target-rank 32",
+            AdapterIncompatibleError,
+            "rank 32 .* > target_rank 16: restart with --target-rank 32",
         ),
         "lora_A with the wrong input size": (
-            rewrite(base, f / "wide.safetensors", lambda t, m: t.update({
-                _first(t, "to_q.lora_A"): torch.zeros(4, t[_first(t, "to_q.lora_A")].shape[1] + 8)})),
-            AdapterIncompatibleError, "made for another base model",
+            rewrite(
+                base,
+                f / "wide.safetensors",
+                lambda t, m: t.update(
+                    {_first(t, "to_q.lora_A"): torch.zeros(4, t[_first(t, "to_q.lora_A")].shape[1] + 8)}
+                ),
+            ),
+            AdapterIncompatibleError,
+            "made for another base model",
         ),
         "a module this base model lacks": (
-            rewrite(base, f / "other.safetensors", _move_first_block), AdapterIncompatibleError,
+            rewrite(base, f / "other.safetensors", _move_first_block),
+            AdapterIncompatibleError,
             "does not exist in this base model",
         ),
         "NaN values": (
-            rewrite(base, f / "nan.safetensors", lambda t, m: t[_first(t, "lora_B")].view(-1).__setitem__(0, float("nan"))),
-            AdapterValueError, "NaN or Inf",
+            rewrite(
+                base, f / "nan.safetensors", lambda t, m: t[_first(t, "lora_B")].view(-1).__setitem__(0, float("nan"))
+            ),
+            AdapterValueError,
+            "NaN or Inf",
         ),
         "Inf values": (
-            rewrite(base, f / "inf.safetensors", lambda t, m: t[_first(t, "lora_A")].view(-1).__setitem__(3, float("inf"))),
-            AdapterValueError, "NaN or Inf",
+            rewrite(
+                base, f / "inf.safetensors", lambda t, m: t[_first(t, "lora_A")].view(-1).__setitem__(3, float("inf"))
+            ),
+            AdapterValueError,
+            "NaN or Inf",
         ),
         "DoRA": (
-            rewrite(base, f / "dora.safetensors", lambda t, m: t.update({
-                _first(t, "to_q.lora_A").replace("lora_A.weight", "lora_magnitude_vector"): torch.ones(8)})),
-            AdapterFormatError, "DoRA adapter",
+            rewrite(
+                base,
+                f / "dora.safetensors",
+                lambda t, m: t.update(
+                    {_first(t, "to_q.lora_A").replace("lora_A.weight", "lora_magnitude_vector"): torch.ones(8)}
+                ),
+            ),
+            AdapterFormatError,
+            "DoRA adapter",
         ),
         "LoKr": (
             rewrite(base, f / "lokr.safetensors", lambda t, m: t.update({"lora_unet_x.lokr_w1": torch.ones(2, 2)})),
-            AdapterFormatError, "lokr adapter",
+            AdapterFormatError,
+            "lokr adapter",
         ),
         "LoHa": (
             rewrite(base, f / "loha.safetensors", lambda t, m: t.update({"lora_unet_x.hada_w1_a": torch.ones(2, 2)})),
-            AdapterFormatError, "loha adapter",
+            AdapterFormatError,
+            "loha adapter",
         ),
         "LoRA bias": (
-            rewrite(base, f / "bias.safetensors", lambda t, m: t.update({
-                _first(t, "to_q.lora_B").replace(".weight", ".bias"): torch.zeros(t[_first(t, "to_q.lora_B")].shape[0])})),
-            AdapterFormatError, "LoRA bias",
+            rewrite(
+                base,
+                f / "bias.safetensors",
+                lambda t, m: t.update(
+                    {
+                        _first(t, "to_q.lora_B").replace(".weight", ".bias"): torch.zeros(
+                            t[_first(t, "to_q.lora_B")].shape[0]
+                        )
+                    }
+                ),
+            ),
+            AdapterFormatError,
+            "LoRA bias",
         ),
         "truncated file": (_truncate(base, f / "trunc.safetensors"), AdapterFormatError, "truncated"),
-        "corrupt header": (_write(f / "corrupt.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!!}"),
-                           AdapterFormatError, "corrupt header"),
+        "corrupt header": (
+            _write(f / "corrupt.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!!}"),
+            AdapterFormatError,
+            "corrupt header",
+        ),
         "empty file": (_write(f / "empty.safetensors", b""), AdapterFormatError, "empty"),
         "pickle file": (_write(f / "weights.bin", b"\x80\x04K\x01."), AdapterSourceError, "pickle file"),
         "missing file": (f / "missing.safetensors", AdapterSourceError, "no such file"),
@@ -111,9 +148,21 @@ def live_output(compiled_manager):
 
 
 CASES = [
-    "target outside the template", "rank above target_rank", "lora_A with the wrong input size",
-    "a module this base model lacks", "NaN values", "Inf values", "DoRA", "LoKr", "LoHa", "LoRA bias", "truncated file",
-    "corrupt header", "empty file", "pickle file", "missing file",
+    "target outside the template",
+    "rank above target_rank",
+    "lora_A with the wrong input size",
+    "a module this base model lacks",
+    "NaN values",
+    "Inf values",
+    "DoRA",
+    "LoKr",
+    "LoHa",
+    "LoRA bias",
+    "truncated file",
+    "corrupt header",
+    "empty file",
+    "pickle file",
+    "missing file",
 ]
 
 
@@ -160,6 +209,7 @@ def test_dropout_in_the_config_is_served_like_plain_diffusers(manager, adapter_d
 
 def test_resident_memory_stays_flat_over_1000_swaps(manager):
     """No swap allocates: plans are built once per adapter and every write lands in the template's own tensors."""
+
     def rss() -> int:  # current resident pages (Linux /proc), not the peak that `resource` reports
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1])

@@ -18,9 +18,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import GEN, PROMPT, ROOT, TINY_MODEL, load_tiny
 from diffusers import DiffusionPipeline
+from safetensors.torch import save_file
+
+from lora_manager import AdapterFormatError, LoraManager
+from lora_manager.adapters.reader import read_adapter
+from lora_manager.bench.mini_pipelines import FLUX_GEN, SDXL_GEN, mini_flux, mini_sdxl
 from lora_manager.testing import rewrite
+
+from conftest import GEN, PROMPT, ROOT, TINY_MODEL, load_tiny
 from lora_formats import (
     FLUX_SINGLE,
     FLUX_SINGLE_LINEAR1,
@@ -35,12 +41,7 @@ from lora_formats import (
     write_flux_kohya,
     write_peft_alpha_tensors,
 )
-from safetensors.torch import save_file
 from test_engine import assert_same_image
-
-from lora_manager import AdapterFormatError, LoraManager
-from lora_manager.adapters.reader import read_adapter
-from lora_manager.bench.mini_pipelines import FLUX_GEN, SDXL_GEN, mini_flux, mini_sdxl
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,16 @@ class Preset:
         (root / "adapters").mkdir()
         self.files = arch.write(pipe, root / "adapters")
         self.catalog = root / "catalog.json"
-        self.catalog.write_text(json.dumps({
-            "name": f"{name}-formats",
-            "base_model": str(self.base.relative_to(root)) if arch.shipped is None else str(self.base),
-            "generation": self.generation,
-            "adapters": [{"id": i, "source": str(f.path.relative_to(root))} for i, f in self.files.items()],
-        }))
+        self.catalog.write_text(
+            json.dumps(
+                {
+                    "name": f"{name}-formats",
+                    "base_model": str(self.base.relative_to(root)) if arch.shipped is None else str(self.base),
+                    "generation": self.generation,
+                    "adapters": [{"id": i, "source": str(f.path.relative_to(root))} for i, f in self.files.items()],
+                }
+            )
+        )
         self._references: dict[str | None, np.ndarray] = {}
 
     @cached_property
@@ -157,8 +162,9 @@ def test_reported_rank_alpha_text_encoder_format_and_targets_match_the_file(arch
 
 
 def _peft_with_alpha_tensors(pipe, path: Path) -> Path:
-    write_peft_alpha_tensors(path, {"unet": random_lora(pipe.unet, ends_with(*SD_ATTN), 4, seed=50)},
-                             lambda comp, m: 2.0)
+    write_peft_alpha_tensors(
+        path, {"unet": random_lora(pipe.unet, ends_with(*SD_ATTN), 4, seed=50)}, lambda comp, m: 2.0
+    )
     return path
 
 
@@ -170,8 +176,9 @@ def _flux_kohya_with_linear1(pipe, path: Path) -> Path:
 
 def _alpha_tensors_and_metadata(pipe, path: Path) -> Path:
     src = path.with_name("src.safetensors")
-    write_peft_alpha_tensors(src, {"transformer": random_lora(pipe.transformer, ends_with("attn.to_q"), 4, seed=52)},
-                             lambda comp, m: 2.0)
+    write_peft_alpha_tensors(
+        src, {"transformer": random_lora(pipe.transformer, ends_with("attn.to_q"), 4, seed=52)}, lambda comp, m: 2.0
+    )
     meta = {"transformer.r": 4, "transformer.lora_alpha": 2, "transformer.target_modules": ["to_q"]}
     return rewrite(src, path, lambda t, m: m.update(lora_adapter_metadata=json.dumps(meta)))
 
@@ -188,7 +195,9 @@ REFUSED = {
     "sd15 PEFT keys with .alpha tensors": ("sd15", _peft_with_alpha_tensors, ALPHA_BESIDE_PEFT),
     "sdxl PEFT keys with .alpha tensors": ("sdxl", _peft_with_alpha_tensors, ALPHA_BESIDE_PEFT),
     "flux kohya fused linear1 of another size": (
-        "flux", _flux_kohya_with_linear1, r"AssertionError \(no message\) in diffusers' _convert_to_ai_toolkit_cat"
+        "flux",
+        _flux_kohya_with_linear1,
+        r"AssertionError \(no message\) in diffusers' _convert_to_ai_toolkit_cat",
     ),
     "flux alpha tensors and metadata": ("flux", _alpha_tensors_and_metadata, r"both \.alpha tensors and"),
 }
@@ -230,8 +239,14 @@ def test_compiled_flux_serves_every_family_without_recompiling(presets, tmp_path
     out = tmp_path / "compiled.npz"
     code = f"from test_formats import serve_compiled; serve_compiled({str(preset.catalog)!r}, {steps!r}, {str(out)!r})"
     paths = os.pathsep.join([str(ROOT), str(ROOT / "tests")])  # what pyproject's pytest `pythonpath` gives this process
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": paths},
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": paths},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-4000:]  # a recompile raises RecompileError there
     result = np.load(out)
     assert result["compiled"] and result["recompiles"] == 0 and result["swaps"] >= 2 * len(preset.files)

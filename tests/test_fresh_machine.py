@@ -18,11 +18,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, ROOT, TINY_MODEL
 from PIL import Image
-from servers import running_serve
 
 from lora_manager.scheduler import WAIT_WINDOW, Request, Scheduler
+
+from conftest import PROMPT, ROOT, TINY_MODEL
+from servers import running_serve
 
 
 def test_shipped_folder_runs_with_plain_diffusers_default_arguments():
@@ -45,6 +46,7 @@ def _generate_in_child(handler, conn) -> None:
 
 def _pickling_gpu(fn):
     """As `spaces.GPU` on ZeroGPU: the call's arguments travel to the GPU worker process by pickle."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         pickle.dumps(args)
@@ -60,8 +62,15 @@ def test_app_generate_from_a_forked_child_equals_the_parent(manager, monkeypatch
     monkeypatch.setattr(app, "gpu", _pickling_gpu)
     demo = app.build_demo(manager)
     handler = next(f.fn for f in demo.fns.values() if f.api_name == "generate")
-    assert list(inspect.signature(handler).parameters) == ["prompt", "adapter", "strength", "seed", "steps", "request",
-                                                           "progress"]
+    assert list(inspect.signature(handler).parameters) == [
+        "prompt",
+        "adapter",
+        "strength",
+        "seed",
+        "steps",
+        "request",
+        "progress",
+    ]
     manager.generate(PROMPT, adapter="r4_attn", steps=1)  # the worker thread has run before the fork
     ctx = multiprocessing.get_context("fork")
     parent_end, child_end = ctx.Pipe(duplex=False)
@@ -136,13 +145,20 @@ def test_without_a_cpp_compiler_the_app_starts_eager_and_compile_says_why():
     """A slim image without g++: the app starts and serves (eager, the CPU default); `--compile` stops with one
     line saying why instead of a traceback."""
     from gradio_client import Client
+
     from test_app_api import running_app
 
     with running_app(CXX="/nonexistent/g++") as url:
         _, info = Client(url, verbose=False).predict(PROMPT, "frame", 1.0, 0, 2, api_name="/generate")
     assert info["compiled"] is False and info["adapter"] == "frame"
     env = {**os.environ, "CXX": "/nonexistent/g++", "HF_HUB_OFFLINE": "1", "LORA_PRESET": "tiny"}
-    out = subprocess.run([sys.executable, str(ROOT / "app.py"), "--compile"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "app.py"), "--compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith("app.py: torch.compile on the CPU needs a C++ compiler")

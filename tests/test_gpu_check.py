@@ -9,12 +9,29 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import ROOT
 
 
 def gpu_check(json_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lora_manager", "gpu-check", "--device", "cpu", "--no-compile",
-                           "--json", str(json_path), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lora_manager",
+            "gpu-check",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--json",
+            str(json_path),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow  # three engines and their plain-diffusers twins in half precision on the CPU: over a minute

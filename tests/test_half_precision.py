@@ -11,11 +11,12 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, load_tiny, make_catalog, mix_reference
 
 from lora_manager import LoraManager
 from lora_manager.engine import resolve_dtype
 from lora_manager.testing import to_8bit
+
+from conftest import PROMPT, load_tiny, make_catalog, mix_reference
 
 DTYPES = [torch.float16, torch.bfloat16]
 PROMPTS = (PROMPT, "a green square on a yellow background", "a blue diamond on a white background")
@@ -51,7 +52,7 @@ def run_together(m: LoraManager) -> list[np.ndarray]:
 def check_against_plain_diffusers(adapter_dir, images: list[np.ndarray], dtype: torch.dtype) -> None:
     """Per request: the engine's distance to float32 plain diffusers is within plain diffusers' own at `dtype` (plus a
     margin for summing the LoRA in another order), and the LoRA shows."""
-    for (mix, seed, prompt), image in zip(REQUESTS, images):
+    for (mix, seed, prompt), image in zip(REQUESTS, images, strict=True):
         mix = tuple(mix)
         full = plain(adapter_dir, mix, seed, prompt, torch.float32)
         own = diff(plain(adapter_dir, mix, seed, prompt, dtype), full)

@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from lora_manager.request_schema import MAX_BODY_BYTES, MAX_PROMPT_CHARS
+from lora_manager.testing import free_port
+
 from conftest import PROMPT, ROOT
 from servers import running_serve
 from test_app_api import running_app
-
-from lora_manager.testing import free_port
-
-from lora_manager.request_schema import MAX_BODY_BYTES, MAX_PROMPT_CHARS
 
 NORMAL = [PROMPT, "frame", 1.0, 0, 2]  # prompt, adapter, strength, seed, steps
 MAX_ECHO = 400  # characters: a refusal never echoes a long value whole
@@ -112,11 +112,14 @@ def test_gradio_refuses_naming_the_field(app_url, baseline, case, data, field):
 
 @pytest.mark.app
 def test_gradio_lone_surrogate_and_nan_as_raw_json(app_url, baseline):
-    for text, field in [('{"data": ["a\\ud800", "frame", 1.0, 0, 2]}', "prompt"),
-                        ('{"data": ["a", "frame", NaN, 0, 2]}', "strength"),
-                        ('{"data": ["a", "frame", 1.0, 0, Infinity]}', "steps")]:
-        r = httpx.post(f"{app_url}/gradio_api/run/generate", content=text,
-                       headers={"content-type": "application/json"}, timeout=60)
+    for text, field in [
+        ('{"data": ["a\\ud800", "frame", 1.0, 0, 2]}', "prompt"),
+        ('{"data": ["a", "frame", NaN, 0, 2]}', "strength"),
+        ('{"data": ["a", "frame", 1.0, 0, Infinity]}', "steps"),
+    ]:
+        r = httpx.post(
+            f"{app_url}/gradio_api/run/generate", content=text, headers={"content-type": "application/json"}, timeout=60
+        )
         assert r.status_code == 500 and field in r.json()["error"], r.text[:300]
     assert normal_digest(app_url) == baseline
 
@@ -131,8 +134,7 @@ def test_gradio_wrong_input_counts_and_internal_events_answer_with_a_message(app
     assert public == {"generate", "add_adapter", "strategies"}, public
     for fn_index in internal:
         for data in ([None] * 12, ["x"] * 12, [{"a": 1}] * 12):
-            r = httpx.post(f"{app_url}/gradio_api/run/predict", json={"data": data, "fn_index": fn_index},
-                           timeout=60)
+            r = httpx.post(f"{app_url}/gradio_api/run/predict", json={"data": data, "fn_index": fn_index}, timeout=60)
             assert r.status_code in (200, 500) and (r.status_code == 200 or r.json().get("error")), r.text[:300]
     assert normal_digest(app_url) == baseline
 
@@ -221,7 +223,7 @@ def post(url: str, body) -> httpx.Response:
 
 
 def http_digest(url: str) -> str:
-    r = post(url, dict(zip(("prompt", "adapter", "strength", "seed", "steps"), NORMAL)))
+    r = post(url, dict(zip(("prompt", "adapter", "strength", "seed", "steps"), NORMAL, strict=True)))
     assert r.status_code == 200, r.text
     return _digest_png(base64.b64decode(r.json()["image_png_base64"]))
 
@@ -241,8 +243,8 @@ def assert_refused(r: httpx.Response, status: int, field: str) -> None:
 
 @pytest.mark.ray
 def test_http_refuses_every_hostile_value_naming_the_field(server, http_baseline):
-    for case, data, field in HOSTILE:
-        body = dict(zip(("prompt", "adapter", "strength", "seed", "steps"), data))
+    for _case, data, field in HOSTILE:
+        body = dict(zip(("prompt", "adapter", "strength", "seed", "steps"), data, strict=True))
         r = post(server, body)
         too_big = len(r.request.content) > MAX_BODY_BYTES  # refused before it is parsed
         assert_refused(r, 413 if too_big else 400, "body" if too_big else field)
@@ -250,17 +252,21 @@ def test_http_refuses_every_hostile_value_naming_the_field(server, http_baseline
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("case,body,status,field", [
-    ("not JSON", "{prompt: nope", 400, "body"),
-    ("a JSON array", "[1, 2]", 400, "body"),
-    ("an unknown field", json.dumps({"prompt": PROMPT, "cfg": 9}), 400, "cfg"),
-    ("no prompt", json.dumps({"adapter": "frame"}), 400, "prompt"),
-    ("a lone surrogate", '{"prompt": "a\\ud800"}', 400, "prompt"),
-    ("NaN strength", '{"prompt": "a", "strength": NaN}', 400, "strength"),
-    ("infinite seed", '{"prompt": "a", "seed": Infinity}', 400, "seed"),
-    ("a 20 MB body", json.dumps({"prompt": "a" * 20_000_000}), 413, "body"),
-    ("not UTF-8", b'{"prompt": "\xff\xfe"}', 400, "body"),
-], ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None)
+@pytest.mark.parametrize(
+    "case,body,status,field",
+    [
+        ("not JSON", "{prompt: nope", 400, "body"),
+        ("a JSON array", "[1, 2]", 400, "body"),
+        ("an unknown field", json.dumps({"prompt": PROMPT, "cfg": 9}), 400, "cfg"),
+        ("no prompt", json.dumps({"adapter": "frame"}), 400, "prompt"),
+        ("a lone surrogate", '{"prompt": "a\\ud800"}', 400, "prompt"),
+        ("NaN strength", '{"prompt": "a", "strength": NaN}', 400, "strength"),
+        ("infinite seed", '{"prompt": "a", "seed": Infinity}', 400, "seed"),
+        ("a 20 MB body", json.dumps({"prompt": "a" * 20_000_000}), 413, "body"),
+        ("not UTF-8", b'{"prompt": "\xff\xfe"}', 400, "body"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None,
+)
 def test_http_refuses_malformed_bodies(server, http_baseline, case, body, status, field):
     assert_refused(post(server, body), status, field)
 
@@ -272,7 +278,8 @@ def test_http_info_names_models_as_users_know_them(server, http_baseline):
     info = httpx.get(f"{server}/info", timeout=60).text
     assert str(ROOT) not in info and str(ROOT) not in r.text
     with ThreadPoolExecutor(6) as pool:  # concurrent valid and hostile requests: each gets its own answer
-        answers = list(pool.map(lambda b: post(server, b), [{"prompt": PROMPT, "adapter": "frame", "steps": 2},
-                                                            {"prompt": 5}] * 3))
+        answers = list(
+            pool.map(lambda b: post(server, b), [{"prompt": PROMPT, "adapter": "frame", "steps": 2}, {"prompt": 5}] * 3)
+        )
     assert [a.status_code for a in answers] == [200, 400] * 3
     assert http_digest(server) == http_baseline

@@ -12,20 +12,25 @@ import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from conftest import PROMPT, assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError
-from lora_manager.scheduler import Request, Scheduler
 from lora_manager.hotswap.plan import plan_resident
+from lora_manager.scheduler import Request, Scheduler
 from lora_manager.testing import levels, snapshot
+
+from conftest import PROMPT, assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
 
 PROMPTS = (PROMPT, "a green square on a yellow background", "a blue diamond on a white background")
 # Two batches of four that between them cover ranks 4..16, alphas above/below/not a multiple of the rank,
 # attention-only and attention+ff+conv targets, kohya files, text-encoder parts, strengths, none, and two-adapter mixes.
 BATCHES = [
     [[("r4_attn", 0.7)], [], [("r7_conv", 1.0)], [("r8_kohya", 1.2)]],
-    [[("r6_te", 1.0)], [("r4_kohya_te", 0.6)], [("r16_half", 0.7), ("r6_te", 1.0)],
-     [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)]],
+    [
+        [("r6_te", 1.0)],
+        [("r4_kohya_te", 0.6)],
+        [("r16_half", 0.7), ("r6_te", 1.0)],
+        [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)],
+    ],
 ]
 
 
@@ -54,7 +59,7 @@ def test_every_row_of_a_mixed_batch_equals_plain_diffusers_alone(batched, adapte
     results = run_together(batched, requests)
     assert [r.info["batch_size"] for r in results] == [4] * 4
     base = ref(adapter_dir, [], 10, PROMPTS[0])
-    for (mix, seed, prompt), result in zip(requests, results):
+    for (mix, seed, prompt), result in zip(requests, results, strict=True):
         assert levels(result.image, ref(adapter_dir, mix, seed, prompt)) <= 1, mix
     assert levels(results[0].image, base) > 1  # the first row really ran its adapter, not the base model
 
@@ -80,7 +85,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_d
         bad.result()
     results = [f.result() for f in futures]
     assert [r.info["batch_size"] for r in results] == [3] * 3
-    assert all(levels(r.image, e) <= 1 for r, e in zip(results, expected))
+    assert all(levels(r.image, e) <= 1 for r, e in zip(results, expected, strict=True))
     assert_same_slots(before, snapshot(m.device_slots))
     assert m.stats()["swaps"] == swaps
 
@@ -150,9 +155,17 @@ def test_compiled_mixed_batches_never_recompile(adapter_dir):
     # 8 device slots: four requests of two adapters each always fit in one batch
     m = LoraManager(load_tiny(), make_catalog(adapter_dir), compile=True, max_batch=4, slots=2, device_slots=8)
     assert counters["stats"]["unique_graphs"] - graphs == 1
-    mixes = [[], [("r4_attn", 0.7)], [("r7_conv", 1.0)], [("r8_kohya", 1.2)], [("r6_te", 1.0)],
-             [("r4_kohya_te", 0.6)], [("r16_half", 1.5)], [("r16_half", 0.7), ("r6_te", 1.0)],
-             [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)]]
+    mixes = [
+        [],
+        [("r4_attn", 0.7)],
+        [("r7_conv", 1.0)],
+        [("r8_kohya", 1.2)],
+        [("r6_te", 1.0)],
+        [("r4_kohya_te", 0.6)],
+        [("r16_half", 1.5)],
+        [("r16_half", 0.7), ("r6_te", 1.0)],
+        [("r8_kohya", 0.7), ("r4_kohya_te", 1.0)],
+    ]
     rng = random.Random(0)
     checked = []
     before = m.stats()["batches"]
@@ -163,7 +176,7 @@ def test_compiled_mixed_batches_never_recompile(adapter_dir):
             results = run_together(m, requests)
             assert [r.info["batch_size"] for r in results] == [size] * size
             if i in (0, 5):
-                checked += list(zip(requests, results))
+                checked += list(zip(requests, results, strict=True))
     stats = m.stats()
     assert stats["batches"] - before >= 30 and stats["recompiles"] == 0
     for (mix, seed, prompt), result in checked:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
+
 from hub_server import HubServer, Repo
 from test_app_api import CATALOG, PROMPT, running_app
 
@@ -35,8 +36,13 @@ def space(tmp_path_factory):
     """The app (per-visitor additions, 2 a visitor, 3 in all) on the Hub emulator, with its own empty Hub cache."""
     hf_home = tmp_path_factory.mktemp("hf_home")
     with HubServer(REPOS) as hub:
-        with running_app(HF_ENDPOINT=hub.url, HF_HOME=str(hf_home), HF_HUB_OFFLINE="0",
-                         LORA_ADDITIONS_PER_VISITOR=str(PER_VISITOR), LORA_MAX_ADDITIONS=str(MAX_ADDITIONS)) as url:
+        with running_app(
+            HF_ENDPOINT=hub.url,
+            HF_HOME=str(hf_home),
+            HF_HUB_OFFLINE="0",
+            LORA_ADDITIONS_PER_VISITOR=str(PER_VISITOR),
+            LORA_MAX_ADDITIONS=str(MAX_ADDITIONS),
+        ) as url:
             yield url, hub, hf_home / "hub"
 
 
@@ -68,7 +74,8 @@ def test_a_refused_download_leaves_nothing_in_the_hub_cache(space):
     assert [p for p in hub.paths("GET") if p.startswith("/broken/zeros/resolve/")]  # it was fetched, then refused
     assert cached(hub_cache, "broken/zeros") == []
     assert not (hub_cache / "models--broken--zeros" / "snapshots").exists() or not any(
-        (hub_cache / "models--broken--zeros" / "snapshots").rglob("*.safetensors"))
+        (hub_cache / "models--broken--zeros" / "snapshots").rglob("*.safetensors")
+    )
 
 
 def test_additions_are_private_capped_per_visitor_and_bounded_in_all(space):
@@ -95,8 +102,9 @@ def test_additions_are_private_capped_per_visitor_and_bounded_in_all(space):
 
 def test_shared_additions_are_everyones(tmp_path):
     with HubServer({"good/l4": REPOS["good/l4"]}) as hub:
-        with running_app(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path), HF_HUB_OFFLINE="0",
-                         LORA_SHARED_ADDITIONS="1") as url:
+        with running_app(
+            HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path), HF_HUB_OFFLINE="0", LORA_SHARED_ADDITIONS="1"
+        ) as url:
             one, two = Client(url, verbose=False), Client(url, verbose=False)
             assert "`l4`" in add(one, "good/l4")
             assert generate(two, "l4")["adapter"] == "l4"

@@ -68,8 +68,10 @@ def test_affinity_routing_never_swaps_when_the_adapter_is_live_somewhere(report)
     """One request at a time: both replicas are free, so the router alone decides; it must pick the replica that
     holds the request's adapter whenever one does. Under load it spreads requests over both replicas."""
     default, affinity = report["default routing, 1 client"], report["affinity routing, 1 client"]
-    print(f"swaps per request, 1 client: default {default['swaps_per_request']:.2f} "
-          f"({default['avoidable_swaps']} avoidable), affinity {affinity['swaps_per_request']:.2f}")
+    print(
+        f"swaps per request, 1 client: default {default['swaps_per_request']:.2f} "
+        f"({default['avoidable_swaps']} avoidable), affinity {affinity['swaps_per_request']:.2f}"
+    )
     assert affinity["avoidable_swaps"] == 0 and affinity["swaps"] <= affinity["adapter_changes_requested"]
     assert len(report["affinity routing, 2 clients"]["replicas"]) == 2
 
@@ -89,9 +91,10 @@ def test_the_app_runs_on_the_ray_backend(deployment, report):
     from gradio_client import Client
     from gradio_client.exceptions import AppError
     from PIL import Image
-    from test_app_api import PROMPT, adapter_ids, running_app
 
     from lora_manager import LoraManager
+
+    from test_app_api import PROMPT, adapter_ids, running_app
 
     a, b = adapter_ids()[:2]
     with running_app("--backend", "ray", "--ray-url", f"{deployment}/affinity") as url:

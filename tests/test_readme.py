@@ -38,8 +38,11 @@ def blocks() -> list[tuple[str, str, str]]:
 
 
 def runnable() -> list:
-    return [pytest.param(lang, code, id=f"{section}-{i}") for i, (section, lang, code) in enumerate(blocks())
-            if section not in RUN_ELSEWHERE and not NEEDS.match(code)]
+    return [
+        pytest.param(lang, code, id=f"{section}-{i}")
+        for i, (section, lang, code) in enumerate(blocks())
+        if section not in RUN_ELSEWHERE and not NEEDS.match(code)
+    ]
 
 
 def test_every_block_is_run_here_or_by_the_test_named_for_its_section():
@@ -51,7 +54,11 @@ def test_every_block_is_run_here_or_by_the_test_named_for_its_section():
 @pytest.mark.parametrize("language, code", runnable())
 def test_block_runs_as_written(language, code, tmp_path):
     (tmp_path / "lora_manager").symlink_to(ROOT / "lora_manager")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     command = [sys.executable, "-c", code] if language == "python" else ["bash", "-e", "-c", code]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"

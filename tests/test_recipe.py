@@ -2,8 +2,8 @@
 diffusers recipe", as a script of its own, with only its first assignments replaced. On the shipped tiny preset with
 its six LoRAs (the conv-only one first, narrower than the rest) and on mini SDXL and mini Flux pipelines saved as
 folders, each with LoRA files in several formats of which none targets every module the others do, text-encoder parts
-included. The recipe compiles the denoiser and swaps under `error_on_recompile`; every image it writes must equal, within
-2 levels of 255, a fresh pipeline that did `load_lora_weights(file)`."""
+included. The recipe compiles the denoiser and swaps under `error_on_recompile`; every image it writes must equal,
+within 2 levels of 255, a fresh pipeline that did `load_lora_weights(file)`."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
 from diffusers import DiffusionPipeline
-from lora_formats import flux_files, sdxl_files
 from PIL import Image
 
 from lora_manager.bench.mini_pipelines import mini_flux, mini_sdxl
+
+from conftest import ROOT
+from lora_formats import flux_files, sdxl_files
 
 pytestmark = pytest.mark.compile
 HEADING = "## Plain diffusers recipe"
@@ -41,25 +42,35 @@ def recipe() -> str:
 
 def test_the_recipe_is_self_contained_and_starts_with_its_settings():
     tree = ast.parse(recipe())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"pathlib", "re", "torch", "diffusers", "peft"}, imported
-    assigned = [node.targets[0].id for node in tree.body if isinstance(node, ast.Assign)
-                and isinstance(node.targets[0], ast.Name)]
+    assigned = [
+        node.targets[0].id
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+    ]
     assert tuple(assigned[: len(SETTINGS)]) == SETTINGS, assigned
 
 
 def settings_of(code: str) -> dict:
     """The recipe's settings as it runs them: its statements up to the OUT assignment, executed from the repo root."""
     tree = ast.parse(code)
-    last = next(i for i, node in enumerate(tree.body)
-                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "OUT")
+    last = next(
+        i
+        for i, node in enumerate(tree.body)
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "OUT"
+    )
     namespace: dict = {}
     exec(compile(ast.Module(body=tree.body[: last + 1], type_ignores=[]), "recipe", "exec"), namespace)
     resolve = lambda p: str(p if Path(p).is_absolute() or not (ROOT / p).exists() else ROOT / p)  # noqa: E731
-    return {"MODEL": resolve(namespace["MODEL"]), "LORAS": [resolve(p) for p in namespace["LORAS"]],
-            **{k: namespace[k] for k in ("PROMPT", "SEED", "STEPS", "SIZE", "OUT")}}
+    return {
+        "MODEL": resolve(namespace["MODEL"]),
+        "LORAS": [resolve(p) for p in namespace["LORAS"]],
+        **{k: namespace[k] for k in ("PROMPT", "SEED", "STEPS", "SIZE", "OUT")},
+    }
 
 
 def run_recipe(tmp_path: Path, **settings) -> dict:
@@ -87,8 +98,9 @@ def reference(model: str, lora: str, ran: dict) -> np.ndarray:
         if isinstance(component, torch.nn.Module):
             component.eval()  # PEFT adds lora_dropout modules in training mode
     generator = torch.Generator("cpu").manual_seed(ran["SEED"])
-    image = pipe(ran["PROMPT"], num_inference_steps=ran["STEPS"], height=ran["SIZE"], width=ran["SIZE"],
-                 generator=generator).images[0]
+    image = pipe(
+        ran["PROMPT"], num_inference_steps=ran["STEPS"], height=ran["SIZE"], width=ran["SIZE"], generator=generator
+    ).images[0]
     return np.asarray(image, dtype=int)
 
 
@@ -98,16 +110,22 @@ def check_images(ran: dict) -> None:
         want = reference(ran["MODEL"], lora, ran)
         assert np.abs(made - want).max() <= 2, lora
     base = reference_base(ran)
-    assert any(np.abs(np.asarray(Image.open(Path(ran["OUT"]) / f"{Path(lora).stem}.png"), int) - base).mean() > 1
-               for lora in ran["LORAS"])  # the LoRAs change the image
+    assert any(
+        np.abs(np.asarray(Image.open(Path(ran["OUT"]) / f"{Path(lora).stem}.png"), int) - base).mean() > 1
+        for lora in ran["LORAS"]
+    )  # the LoRAs change the image
 
 
 def reference_base(ran: dict) -> np.ndarray:
     pipe = DiffusionPipeline.from_pretrained(ran["MODEL"])
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator("cpu").manual_seed(ran["SEED"])
-    return np.asarray(pipe(ran["PROMPT"], num_inference_steps=ran["STEPS"], height=ran["SIZE"], width=ran["SIZE"],
-                           generator=generator).images[0], dtype=int)
+    return np.asarray(
+        pipe(
+            ran["PROMPT"], num_inference_steps=ran["STEPS"], height=ran["SIZE"], width=ran["SIZE"], generator=generator
+        ).images[0],
+        dtype=int,
+    )
 
 
 def test_the_recipe_as_written_on_the_tiny_preset(tmp_path):
@@ -129,6 +147,14 @@ def test_the_recipe_on_mini_sdxl_and_flux_with_several_formats(tmp_path, arch):
     union = set().union(*(f.targets for f in picked))
     assert not any({t for t in union if t[0] == denoiser} <= f.targets for f in picked)  # no file covers the rest
     assert any(f.has_text_encoder for f in picked)
-    ran = run_recipe(tmp_path, MODEL=str(model), LORAS=[str(f.path) for f in picked], PROMPT="a red circle", SEED=3,
-                     STEPS=2, SIZE=32, OUT=str(tmp_path / "out"))
+    ran = run_recipe(
+        tmp_path,
+        MODEL=str(model),
+        LORAS=[str(f.path) for f in picked],
+        PROMPT="a red circle",
+        SEED=3,
+        STEPS=2,
+        SIZE=32,
+        OUT=str(tmp_path / "out"),
+    )
     check_images(ran)

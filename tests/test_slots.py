@@ -7,13 +7,21 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import (PROMPT, assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference,
-                      snapshot_slots)
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError, UnknownAdapterError
-from lora_manager.request_schema import normalize_mix
 from lora_manager.hotswap.plan import assign_slots
+from lora_manager.request_schema import normalize_mix
 from lora_manager.testing import levels
+
+from conftest import (
+    PROMPT,
+    assert_same_slots,
+    break_while_evicted,
+    load_tiny,
+    make_catalog,
+    mix_reference,
+    snapshot_slots,
+)
 
 # Pairs with different ranks, alphas and target sets: attention-only with attention+ff+conv (ranks 4/7, alphas 4/11),
 # a half-alpha rank 16 with a text-encoder adapter, and two kohya files (one with a text-encoder part).
@@ -93,8 +101,13 @@ def test_the_same_request_gives_the_same_bytes_whatever_the_slots_held(slots3):
     """LoRA branches are summed in slot order and float sums depend on order: a request's adapters always sit in
     the order of their ids."""
     mix = [("r4_attn", 0.7), ("r7_conv", 1.0)]
-    histories = [None, [("r7_conv", 1.0)], [("r16_half", 1.0), ("r4_attn", 0.5), ("r6_te", 1.0)],
-                 [("r8_kohya", 1.0), ("r7_conv", 0.3)], [("r7_conv", 0.2), ("r6_te", 1.0)]]
+    histories = [
+        None,
+        [("r7_conv", 1.0)],
+        [("r16_half", 1.0), ("r4_attn", 0.5), ("r6_te", 1.0)],
+        [("r8_kohya", 1.0), ("r7_conv", 0.3)],
+        [("r7_conv", 0.2), ("r6_te", 1.0)],
+    ]
     outputs = []
     for history in histories:
         slots3.generate(PROMPT, adapter=history)
@@ -105,8 +118,18 @@ def test_the_same_request_gives_the_same_bytes_whatever_the_slots_held(slots3):
 @torch._dynamo.config.patch(error_on_recompile=True)
 def test_mixed_requests_on_a_compiled_engine_never_recompile(compiled_manager, adapter_dir):
     m = compiled_manager
-    requests = [PAIRS[0], None, [("r7_conv", 0.6)], PAIRS[1], [("r6_te", 1.0), ("r4_attn", 0.3)], PAIRS[2],
-                [("r16_half", 1.5)], [("r4_kohya_te", 0.7), ("r16_half", 0.2)], None, PAIRS[0]] * 2 + [TRIPLE[:2]]
+    requests = [
+        PAIRS[0],
+        None,
+        [("r7_conv", 0.6)],
+        PAIRS[1],
+        [("r6_te", 1.0), ("r4_attn", 0.3)],
+        PAIRS[2],
+        [("r16_half", 1.5)],
+        [("r4_kohya_te", 0.7), ("r16_half", 0.2)],
+        None,
+        PAIRS[0],
+    ] * 2 + [TRIPLE[:2]]
     checked = {0: PAIRS[0], 3: PAIRS[1], 5: PAIRS[2], 6: [("r16_half", 1.5)], 8: []}
     for i, mix in enumerate(requests):
         out = image(m, mix)

@@ -1,4 +1,5 @@
-"""lora_manager.adapters.sources against the real huggingface_hub client, pointed at a local Hub emulator (tests/hub_server.py).
+"""lora_manager.adapters.sources against the real huggingface_hub client, pointed at a local Hub emulator
+(tests/hub_server.py).
 
 huggingface_hub reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE and the timeouts into `huggingface_hub.constants` at
 import time, and the test process imported it long ago (conftest imports diffusers). `hub_env` therefore sets the
@@ -22,11 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import constants as hf_constants
-from hub_server import HubServer, Repo, commit_of
 from safetensors.torch import load_file, save_file
 
-from lora_manager.errors import AdapterSourceError, AdapterTooLargeError, LoraManagerError
 from lora_manager.adapters.sources import resolve
+from lora_manager.errors import AdapterSourceError, AdapterTooLargeError, LoraManagerError
+
+from hub_server import HubServer, Repo, commit_of
 
 TOKEN = "hf_localtestTOKENdoNotLeak0123456789"
 HF_ENV = (
@@ -354,8 +356,9 @@ def test_local_file_resolves_without_the_hub(hub, net, tmp_path, blobs):
 # -- sizes ---------------------------------------------------------------------------------------------------------
 def test_a_file_over_max_bytes_is_refused_from_its_declared_size(hub, blobs, tmp_path):
     """The size comes from the metadata request: a refused Hub file is never fetched; a local one is not read."""
-    hub.repos["owner/huge"] = Repo({"main": {"lora.safetensors": blobs["a"]}},
-                                   declared_sizes={"lora.safetensors": 3 * 2**30})
+    hub.repos["owner/huge"] = Repo(
+        {"main": {"lora.safetensors": blobs["a"]}}, declared_sizes={"lora.safetensors": 3 * 2**30}
+    )
     with pytest.raises(AdapterTooLargeError, match=r"'ad': lora.safetensors is 3072.0 MiB, more than the 1.0 MiB"):
         resolve("owner/huge", "ad", max_bytes=2**20)
     assert resolve_paths(hub, "owner/huge", "GET") == [] and snapshot_files("owner/huge") == []
@@ -368,9 +371,9 @@ def test_a_file_over_max_bytes_is_refused_from_its_declared_size(hub, blobs, tmp
 
 def test_an_adapter_refused_after_download_leaves_the_cache_as_it_was(hub, blobs, adapter_dir):
     """`register` deletes what a refused Hub file brought into the cache, and keeps what was there before."""
-    from conftest import load_tiny, make_catalog
-
     from lora_manager import LoraManager
+
+    from conftest import load_tiny, make_catalog
 
     hub.repos["owner/zeros"] = Repo({"main": {"lora.safetensors": bytes(4096)}})
     m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn",)))

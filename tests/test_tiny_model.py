@@ -81,7 +81,11 @@ def test_base_follows_held_out_prompts(pipe):
     for i, (shape, colour, bg) in enumerate(HELD_OUT):
         img = to_uint8(generate(pipe, shapes.caption(shape, colour, bg), i))
         images.append(img)
-        hits += [shapes.background_colour(img) == bg, shapes.shape_colour(img) == colour, shapes.shape_class(img) == shape]
+        hits += [
+            shapes.background_colour(img) == bg,
+            shapes.shape_colour(img) == colour,
+            shapes.shape_class(img) == shape,
+        ]
     bg_acc, colour_acc, shape_acc = hits / len(HELD_OUT)
     assert bg_acc >= BG_MIN, bg_acc
     assert colour_acc >= COLOUR_MIN, colour_acc
@@ -93,8 +97,10 @@ def test_base_follows_held_out_prompts(pipe):
 
 def style_centroid(pipe, trigger: str | None) -> np.ndarray:
     """Mean style vector over fixed held-out prompts and seeds."""
-    feats = [shapes.style_features(to_uint8(generate(pipe, shapes.caption(*t, trigger), s)))
-             for s, t in enumerate(HELD_OUT[:4])]
+    feats = [
+        shapes.style_features(to_uint8(generate(pipe, shapes.caption(*t, trigger), s)))
+        for s, t in enumerate(HELD_OUT[:4])
+    ]
     return np.mean(feats, axis=0)
 
 
@@ -105,7 +111,9 @@ def test_adapters_are_distinguishable(pipe):
         pipe.load_lora_weights(str(TINY / a["source"]))
         centroids[a["id"]] = style_centroid(pipe, a["trigger"])
         pipe.unload_lora_weights()
-    dists = {(x, y): float(np.linalg.norm(centroids[x] - centroids[y])) for x, y in itertools.combinations(centroids, 2)}
+    dists = {
+        (x, y): float(np.linalg.norm(centroids[x] - centroids[y])) for x, y in itertools.combinations(centroids, 2)
+    }
     print({f"{x}-{y}": round(d, 3) for (x, y), d in dists.items()})
     assert min(dists.values()) > STYLE_MIN, min(dists.items(), key=lambda kv: kv[1])
 
@@ -161,13 +169,15 @@ def test_kohya_file_equals_diffusers_keys(pipe, tmp_path):
     modules = {n.replace(".", "_"): n for n, _ in pipe.unet.named_modules()}
     sd = {}
     for key, value in kohya.items():
-        name, kind = key[len("lora_unet_"):].split(".", 1)
+        name, kind = key[len("lora_unet_") :].split(".", 1)
         if kind != "alpha":
             sd[f"unet.{modules[name]}.lora_{'A' if kind.startswith('lora_down') else 'B'}.weight"] = value
     rank, alpha = parse(entry["description"])
-    targets = sorted({k[len("unet."):].rsplit(".lora_", 1)[0] for k in sd})
+    targets = sorted({k[len("unet.") :].rsplit(".lora_", 1)[0] for k in sd})
     StableDiffusionPipeline.save_lora_weights(
-        tmp_path, unet_lora_layers={k[len("unet."):]: v for k, v in sd.items()}, weight_name="d.safetensors",
+        tmp_path,
+        unet_lora_layers={k[len("unet.") :]: v for k, v in sd.items()},
+        weight_name="d.safetensors",
         unet_lora_adapter_metadata={"r": rank, "lora_alpha": alpha, "target_modules": targets},
     )
     assert to_kohya(sd, {"unet": alpha}).keys() == kohya.keys()
@@ -185,31 +195,70 @@ def test_kohya_file_equals_diffusers_keys(pipe, tmp_path):
 @pytest.mark.slow
 def test_quick_build(tmp_path):
     out = tmp_path / "tiny"
-    run = subprocess.run([sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(out), "--quick", "--vae-steps", "4"],
-                         cwd=ROOT, check=True, timeout=600, capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(out), "--quick", "--vae-steps", "4"],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     assert "vae step 3 " in run.stdout  # the last of --vae-steps 4 (the quick budget has 3)
     catalog = json.loads((out / "catalog.json").read_text())
     p = DiffusionPipeline.from_pretrained(out / catalog["base_model"], torch_dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
     for a in catalog["adapters"]:
         p.load_lora_weights(str(out / a["source"]))
-        img = p("a red circle on a blue background", num_inference_steps=2, height=64, width=64, output_type="np").images[0]
+        img = p(
+            "a red circle on a blue background", num_inference_steps=2, height=64, width=64, output_type="np"
+        ).images[0]
         assert img.shape == (64, 64, 3) and np.isfinite(img).all()
         p.unload_lora_weights()
     assert (out / "grid.png").is_file()
     # --adapters-only keeps the base of another build byte for byte and retrains only the LoRAs
     again = tmp_path / "again"
-    subprocess.run([sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(again), "--quick",
-                    "--adapters-only", "--base", str(out), "--adapters", "checker"],
-                   cwd=ROOT, check=True, timeout=600, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lora_manager.tiny_model.build",
+            "--out",
+            str(again),
+            "--quick",
+            "--adapters-only",
+            "--base",
+            str(out),
+            "--adapters",
+            "checker",
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     base_files = sorted(f.relative_to(out) for f in (out / "model").rglob("*") if f.is_file())
     assert base_files == sorted(f.relative_to(again) for f in (again / "model").rglob("*") if f.is_file())
     assert all((out / f).read_bytes() == (again / f).read_bytes() for f in base_files)
     catalog = json.loads((again / "catalog.json").read_text())
     assert [a["id"] for a in catalog["adapters"]] == ["checker"]
     assert (again / "adapters" / "checker.safetensors").is_file() and (again / "previews" / "checker.png").is_file()
-    refused = subprocess.run([sys.executable, "-m", "lora_manager.tiny_model.build", "--out", str(again), "--quick",
-                              "--adapters-only", "--vae-steps", "4"], cwd=ROOT, timeout=600, capture_output=True, text=True)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lora_manager.tiny_model.build",
+            "--out",
+            str(again),
+            "--quick",
+            "--adapters-only",
+            "--vae-steps",
+            "4",
+        ],
+        cwd=ROOT,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     assert refused.returncode == 2 and "--vae-steps trains a new base" in refused.stderr
 
 
@@ -223,6 +272,7 @@ _EDGE = np.minimum(np.minimum(_X, _Y), np.minimum(SIZE - 1 - _X, SIZE - 1 - _Y))
 _K = np.rint(np.fft.fftfreq(SIZE) * SIZE).astype(int)
 _KY, _KX = np.meshgrid(_K, _K, indexing="ij")  # integer frequency (cycles per image) of each FFT bin
 
+
 def _power(img):
     f = img.astype(np.float32) / 255
     f = f - f.mean((0, 1))
@@ -230,10 +280,12 @@ def _power(img):
     p[0, 0] = 0
     return p / (p.sum() + 1e-9)
 
+
 def stripes_score(img):
     """Share of spectral power at the stripe frequency: 8 px period horizontal bands = 8 cycles/image vertically."""
     p = _power(img)
     return float(p[(np.abs(np.abs(_KY) - 8) <= 1) & (np.abs(_KX) <= 3)].sum())
+
 
 def checker_score(img):
     """Agreement of neighbouring 16 px tiles' median brightness steps with the checkerboard's.
@@ -245,11 +297,15 @@ def checker_score(img):
     m = np.median(g.reshape(4, 16, 4, 16), axis=(1, 3))  # tile medians
     dark = (np.add.outer(np.arange(4), np.arange(4)) % 2) == 0
     steps = []
-    for a, b in (((slice(None), slice(0, 3)), (slice(None), slice(1, 4))), ((slice(0, 3), slice(None)), (slice(1, 4), slice(None)))):
+    for a, b in (
+        ((slice(None), slice(0, 3)), (slice(None), slice(1, 4))),
+        ((slice(0, 3), slice(None)), (slice(1, 4), slice(None))),
+    ):
         diff = np.where(dark[a], m[b] - m[a], m[a] - m[b])  # light minus dark
         steps.append(diff.ravel())
     d = np.concatenate(steps)
     return float(abs((d >= 4).mean() - (d <= -4).mean()))  # either sign: on black the "dark" tiles are lighter
+
 
 def pixel_score(img):
     """Share of colour change that sits on the 8 px cell grid (1/8 for a smooth image, 1 for blocky cells)."""
@@ -259,11 +315,12 @@ def pixel_score(img):
     on = gx[:, 7::8].sum() + gy[7::8].sum()
     return float(on / (gx.sum() + gy.sum() + 1e-6))
 
+
 def _components(mask):
     """4-connected components as lists of (y, x) index arrays."""
     lab = np.zeros(mask.shape, int)
     comps = []
-    for y0, x0 in zip(*np.nonzero(mask)):
+    for y0, x0 in zip(*np.nonzero(mask), strict=True):
         if lab[y0, x0]:
             continue
         lab[y0, x0] = len(comps) + 1
@@ -277,6 +334,7 @@ def _components(mask):
                     stack.append((ny, nx))
         comps.append(np.array(pts))
     return comps
+
 
 def dots_score(img):
     """Spectral power at the dot lattice (10 px: 6.4 cycles/image) along x AND along y.
@@ -294,14 +352,18 @@ def dots_score(img):
 def _dilate(m, r):
     out = m.copy()
     for d in range(1, r + 1):
-        out[d:] |= m[:-d]; out[:-d] |= m[d:]
+        out[d:] |= m[:-d]
+        out[:-d] |= m[d:]
     m2 = out.copy()
     for d in range(1, r + 1):
-        out[:, d:] |= m2[:, :-d]; out[:, :-d] |= m2[:, d:]
+        out[:, d:] |= m2[:, :-d]
+        out[:, :-d] |= m2[:, d:]
     return out
+
 
 def _erode(m, r):
     return ~_dilate(~m, r)
+
 
 def fill_holes(m):
     """Mask plus every region the mask encloses (not reachable from the image border)."""
@@ -313,22 +375,26 @@ def fill_holes(m):
             return ~outside
         outside = grown
 
+
 def _hull_fill(mask):
     """Convex hull of the mask's pixel centres, rasterised (boundary pixels included)."""
     ys, xs = np.nonzero(mask)
-    pts = sorted(zip(xs.tolist(), ys.tolist()))
+    pts = sorted(zip(xs.tolist(), ys.tolist(), strict=True))
 
     def half(points):  # Andrew's monotone chain
         h = []
         for p in points:
-            while len(h) >= 2 and (h[-1][0] - h[-2][0]) * (p[1] - h[-2][1]) - (h[-1][1] - h[-2][1]) * (p[0] - h[-2][0]) <= 0:
+            while (
+                len(h) >= 2
+                and (h[-1][0] - h[-2][0]) * (p[1] - h[-2][1]) - (h[-1][1] - h[-2][1]) * (p[0] - h[-2][0]) <= 0
+            ):
                 h.pop()
             h.append(p)
         return h[:-1]
 
     hull = np.array(half(pts) + half(pts[::-1]), np.float32)
     inside = np.ones(mask.shape, bool)
-    for (x0, y0), (x1, y1) in zip(hull, np.roll(hull, -1, axis=0)):
+    for (x0, y0), (x1, y1) in zip(hull, np.roll(hull, -1, axis=0), strict=True):
         inside &= (x1 - x0) * (_Y - y0) - (y1 - y0) * (_X - x0) >= -1e-6
     return inside
 
@@ -372,19 +438,34 @@ def outline_score(img):
         return 0.0
     return float((~fg[inner]).mean() - (~fg[rim]).mean())
 
+
 def frame_score(img):
     """Colour step from the 6 px border band to the band just inside it (0 when the border is background)."""
     f = img.astype(np.float32)
     band, inside = np.median(f[(_EDGE >= 1) & (_EDGE < 5)], 0), np.median(f[(_EDGE >= 8) & (_EDGE < 11)], 0)
     return float(np.linalg.norm(band - inside) / 255)
 
+
 DETECTORS = {  # adapter id -> detector
-    "stripes": stripes_score, "outline": outline_score, "dots": dots_score,
-             "pixel": pixel_score, "checker": checker_score, "frame": frame_score}
+    "stripes": stripes_score,
+    "outline": outline_score,
+    "dots": dots_score,
+    "pixel": pixel_score,
+    "checker": checker_score,
+    "frame": frame_score,
+}
 
 # ---- prompt following under a style
-TRIGGERS = {"stripes": "striped", "outline": "outline", "dots": "dotted", "pixel": "pixel", "checker": "checker", "frame": "framed"}
+TRIGGERS = {
+    "stripes": "striped",
+    "outline": "outline",
+    "dots": "dotted",
+    "pixel": "pixel",
+    "checker": "checker",
+    "frame": "framed",
+}
 _DARK_TILE = ((_X // 16) + (_Y // 16)) % 2 == 0
+
 
 def _bg_region(style):
     if style == "framed":
@@ -393,10 +474,12 @@ def _bg_region(style):
         return (_EDGE < 3) & ~_DARK_TILE  # the border's light tiles keep the background colour
     return _EDGE < 3  # as shapes.background_colour
 
+
 def background_rgb(img, style=None):
     """Median colour of the style's background region: the background the image shows, which the model draws off the
     palette at times (a pale yellow, a greyish blue)."""
     return np.median(img.astype(np.float32)[_bg_region(style)], axis=0)
+
 
 def styled_reading(img, style=None):
     """(background, shape colour, shape class) read like shapes.py does, with the style's own
@@ -430,7 +513,8 @@ FLOORS = {
     ("outline", "ordered"): 0.5,
     ("dots", "shape"): 0.5,
     ("pixel", "shape"): 0.6,
-    ("checker", "colour"): 0.8, ("checker", "shape"): 0.35,
+    ("checker", "colour"): 0.8,
+    ("checker", "shape"): 0.35,
 }
 
 
@@ -446,13 +530,19 @@ def test_detector_separates_ground_truth(adapter):
     scenes = truth_scenes(11)
     plain = np.array([det(shapes.render(sc)) for sc in scenes])
     styled = np.array([det(shapes.render(dataclasses.replace(sc, style=style))) for sc in scenes])
-    print(f"{adapter}: plain mean {plain.mean():.3f} max {plain.max():.3f}; styled mean {styled.mean():.3f} min {styled.min():.3f}")
+    print(
+        f"{adapter}: plain mean {plain.mean():.3f} max {plain.max():.3f}; "
+        f"styled mean {styled.mean():.3f} min {styled.min():.3f}"
+    )
     assert styled.min() > plain.max()
 
 
 def reading_shares(reads: list[tuple[str, str, str]], scenes: list[shapes.Scene]) -> np.ndarray:
     """Share of (background, shape colour, shape class) readings that match the scenes drawn."""
-    return np.mean([[r[0] == sc.background, r[1] == sc.colour, r[2] == sc.shape] for r, sc in zip(reads, scenes)], axis=0)
+    return np.mean(
+        [[r[0] == sc.background, r[1] == sc.colour, r[2] == sc.shape] for r, sc in zip(reads, scenes, strict=True)],
+        axis=0,
+    )
 
 
 @pytest.mark.parametrize("style", [None, *shapes.STYLE_WORDS])
@@ -462,7 +552,9 @@ def test_reading_ground_truth(style):
     images = [shapes.render(dataclasses.replace(sc, style=style)) for sc in scenes]
     reads = [styled_reading(img, style) for img in images]
     if style is None:
-        assert reads == [(shapes.background_colour(img), shapes.shape_colour(img), shapes.shape_class(img)) for img in images]
+        assert reads == [
+            (shapes.background_colour(img), shapes.shape_colour(img), shapes.shape_class(img)) for img in images
+        ]
     bg, colour, shape = reading_shares(reads, scenes)
     print(f"{style}: background {bg:.2f} colour {colour:.2f} shape {shape:.2f}")
     assert bg >= 0.95 and colour >= 0.9  # checker: black shapes sit close to dark green tiles
@@ -487,9 +579,12 @@ def test_vae_round_trip_keeps_each_style(adapter):
     in ten. Prints what the prompt reader gets back from the round trip, the reference for an adapter's shares."""
     det, style = DETECTORS[adapter], TRIGGERS[adapter]
     styled, plain = round_trip(style), round_trip(None)
-    wins = np.mean([det(s) > det(p) for s, p in zip(styled, plain)])
+    wins = np.mean([det(s) > det(p) for s, p in zip(styled, plain, strict=True)])
     bg, colour, shape = reading_shares([styled_reading(img, style) for img in styled], truth_scenes(12))
-    print(f"{adapter}: round trip scores higher {wins:.0%}; reads background {bg:.0%} colour {colour:.0%} shape {shape:.0%}")
+    print(
+        f"{adapter}: round trip scores higher {wins:.0%}; "
+        f"reads background {bg:.0%} colour {colour:.0%} shape {shape:.0%}"
+    )
     assert wins >= 0.9
 
 
@@ -502,7 +597,8 @@ SEED_SETS = int(os.environ.get("STYLE_SEEDS", "1"))
 @functools.cache
 def style_runs(adapter: str, offset: int) -> dict:
     """Held-out prompts with the trigger, seed i + offset: images without the LoRA and at strength 0, 0.5, 1. Strength 0
-    adds exactly zero to every layer, so its images are the ones without the LoRA (checked byte for byte on one prompt)."""
+    adds exactly zero to every layer, so its images are the ones without the LoRA (checked byte for byte on one
+    prompt)."""
     pipe = _pipe()
     entry = next(a for a in CATALOG["adapters"] if a["id"] == adapter)
     prompts = [shapes.caption(*t, entry["trigger"]) for t in HELD_OUT]
@@ -525,12 +621,17 @@ def style_report(adapter: str, offset: int) -> dict:
     runs, det, style = style_runs(adapter, offset), DETECTORS[adapter], TRIGGERS[adapter]
     score = {k: np.array([det(img) for img in imgs]) for k, imgs in runs.items()}
     reads = [styled_reading(img, style) for img in runs[1.0]]
-    follow = {name: float(np.mean([r[i] == t[j] for r, t in zip(reads, HELD_OUT)]))
-              for i, j, name in ((0, 2, "background"), (1, 1, "colour"), (2, 0, "shape"))}
+    follow = {
+        name: float(np.mean([r[i] == t[j] for r, t in zip(reads, HELD_OUT, strict=True)]))
+        for i, j, name in ((0, 2, "background"), (1, 1, "colour"), (2, 0, "shape"))
+    }
     return {
-        "without": float(score["without"].mean()), "with": float(score[1.0].mean()),
+        "without": float(score["without"].mean()),
+        "with": float(score[1.0].mean()),
         "wins": float((score[1.0] > score["without"]).mean()),
-        "s0": float(score[0.0].mean()), "s05": float(score[0.5].mean()), "s1": float(score[1.0].mean()),
+        "s0": float(score[0.0].mean()),
+        "s05": float(score[0.5].mean()),
+        "s1": float(score[1.0].mean()),
         "ordered": float(((score[0.0] < score[0.5]) & (score[0.5] < score[1.0])).mean()),
         **follow,
     }
@@ -547,7 +648,10 @@ def test_adapter_draws_its_style_and_keeps_the_prompt(adapter):
     reports = [style_report(adapter, 100 * k) for k in range(SEED_SETS)]
     r = {key: float(np.mean([x[key] for x in reports])) for key in reports[0]}
     for x in [*reports, r] if len(reports) > 1 else [r]:
-        print(f"| {adapter} | {x['without']:.3f} / {x['s05']:.3f} / {x['s1']:.3f} | "
-              + " | ".join(f"{x[k]:.0%}" for k in TARGET) + " |")
+        print(
+            f"| {adapter} | {x['without']:.3f} / {x['s05']:.3f} / {x['s1']:.3f} | "
+            + " | ".join(f"{x[k]:.0%}" for k in TARGET)
+            + " |"
+        )
     short = {k: r[k] for k in TARGET if r[k] < FLOORS.get((adapter, k), TARGET[k])}
-    assert not short, f"{adapter}: {short} below {({k: FLOORS.get((adapter, k), TARGET[k]) for k in short})}"
+    assert not short, f"{adapter}: {short} below { ({k: FLOORS.get((adapter, k), TARGET[k]) for k in short}) }"

@@ -80,8 +80,14 @@ def test_app_starts_on_zerogpu_without_cuda_and_answers_with_spaces_error(device
     python = zerogpu_python()
     cuda = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True)
     assert cuda.stdout.strip() not in ("", "None"), f"{python} has no CUDA build of torch: {cuda.stderr[-500:]}"
-    env = {**os.environ, "SPACES_ZERO_GPU": "true", "SPACES_ZERO_DEVICE_API_URL": device_api.url,
-           "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "HOME": str(tmp_path)}
+    env = {
+        **os.environ,
+        "SPACES_ZERO_GPU": "true",
+        "SPACES_ZERO_DEVICE_API_URL": device_api.url,
+        "HF_HUB_OFFLINE": "1",
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "HOME": str(tmp_path),
+    }
     for name in ("LORA_PRESET", "LORA_COMPILE", "LORA_MAX_BATCH", "LORA_SLOTS", "LORA_DTYPE"):
         env.pop(name, None)  # the app's defaults, as a Space starts it
     with testing.running_app(ROOT / "app.py", [], env, READY_TIMEOUT_S, python=python) as (url, ready):

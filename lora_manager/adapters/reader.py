@@ -224,8 +224,11 @@ def read_adapter(
         claimed.update(f"{comp}.{k}" for k in comp_sd)
         comp_meta = None if metadata is None else _under(metadata, comp)  # {} is not None: diffusers' defaults
         try:
-            found = list(_component_modules(comp, model, comp_sd, _under(alphas or {}, comp), comp_meta, adapter_id,
-                                            pipeline_cls, dtype))
+            found = list(
+                _component_modules(
+                    comp, model, comp_sd, _under(alphas or {}, comp), comp_meta, adapter_id, pipeline_cls, dtype
+                )
+            )
         except LoraManagerError:
             raise
         except Exception as e:  # diffusers' and PEFT's conversions raise bare errors on keys they cannot map
@@ -286,8 +289,11 @@ def _component_modules(comp, model, sd, alphas, metadata, adapter_id, pipeline_c
         sd = convert_state_dict_to_peft(convert_state_dict_to_diffusers(sd))
         if model is None or not hasattr(model, "text_model"):  # transformers 5 flattened CLIPTextModel
             sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
-        ranks = {k: v.shape[1] for k, v in sd.items()
-                 if k.endswith(".lora_B.weight") and k.removesuffix(".lora_B.weight").endswith(TEXT_ENCODER_RANKED)}
+        ranks = {
+            k: v.shape[1]
+            for k, v in sd.items()
+            if k.endswith(".lora_B.weight") and k.removesuffix(".lora_B.weight").endswith(TEXT_ENCODER_RANKED)
+        }
     else:
         if "lora_A" not in next(iter(sd)):
             sd = convert_unet_state_dict_to_peft(sd)
@@ -300,8 +306,9 @@ def _component_modules(comp, model, sd, alphas, metadata, adapter_id, pipeline_c
             if extra[0].endswith(".alpha")
             else "unsupported LoRA parameters (LoRA bias or embeddings); only lora_A/lora_B weights can be hotswapped"
         )
-        raise AdapterFormatError(f"Adapter {adapter_id!r}: {comp}.{extra[0]} is not a LoRA A/B weight: {why}.",
-                                 adapter_id)
+        raise AdapterFormatError(
+            f"Adapter {adapter_id!r}: {comp}.{extra[0]} is not a LoRA A/B weight: {why}.", adapter_id
+        )
     config = _lora_config(sd, ranks, alphas, metadata, adapter_id, is_unet=not text)
     for key in sorted(k for k in sd if k.endswith(".lora_A.weight")):
         module = key.removesuffix(".lora_A.weight")
@@ -325,8 +332,10 @@ def _component_modules(comp, model, sd, alphas, metadata, adapter_id, pipeline_c
 def _lora_config(sd, ranks, alphas, metadata, adapter_id, is_unet: bool) -> LoraConfig:
     """The LoraConfig diffusers builds (`_create_lora_config`): the metadata when the file has any, else ranks and
     network alphas."""
-    kwargs = metadata if metadata is not None else get_peft_kwargs(
-        ranks, network_alpha_dict=alphas, peft_state_dict=sd, is_unet=is_unet
+    kwargs = (
+        metadata
+        if metadata is not None
+        else get_peft_kwargs(ranks, network_alpha_dict=alphas, peft_state_dict=sd, is_unet=is_unet)
     )
     try:
         config = LoraConfig(**kwargs)
@@ -343,6 +352,7 @@ def _lora_config(sd, ranks, alphas, metadata, adapter_id, is_unet: bool) -> Lora
 
 def _file_alpha(path: Path, header: FileHeader) -> float:
     """The `.alpha` value of the file's largest-rank module (the first such in the file's key order)."""
+
     def rank(alpha_key: str) -> int:
         base = alpha_key.removesuffix(".alpha")
         down = (f"{base}.{s}" for s in ("lora_down.weight", "lora_A.weight", "down.weight"))

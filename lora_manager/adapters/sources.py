@@ -38,8 +38,10 @@ COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 
 def is_local_source(source: str) -> bool:
     """A source is local when it names a file: a safetensors (or pickle) suffix or a path separator up front."""
-    return source.lower().endswith((".safetensors", *PICKLE_SUFFIXES)) or source.startswith(("/", ".", "~", "\\")) or (
-        len(source) > 1 and source[1] == ":"
+    return (
+        source.lower().endswith((".safetensors", *PICKLE_SUFFIXES))
+        or source.startswith(("/", ".", "~", "\\"))
+        or (len(source) > 1 and source[1] == ":")
     )
 
 
@@ -89,7 +91,7 @@ def resolve(
             weight_name = _single_safetensors(source, adapter_id, revision)
         check_file_name(Path(weight_name), adapter_id)
         return _download(source, weight_name, revision, adapter_id, max_bytes)
-    except (AdapterSourceError,):
+    except AdapterSourceError:
         raise
     except Exception as e:
         raise _hub_error(e, source, adapter_id, weight_name, revision) from e

@@ -7,8 +7,8 @@ tensor, since the allocator rounds every allocation up on its own (a few hundred
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -123,7 +123,7 @@ def packed(weights: AdapterWeights, pin_memory: bool) -> AdapterWeights:
     offsets, size = _layout(tensors)
     buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
     views = []
-    for t, offset in zip(tensors, offsets):
+    for t, offset in zip(tensors, offsets, strict=True):
         views.append(buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape))
         views[-1].copy_(t)
     it = iter(views)

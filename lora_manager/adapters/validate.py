@@ -60,7 +60,9 @@ def _module_problems(key, m, components, template) -> list[Problem]:
     try:
         layer = components[comp].get_submodule(module)
     except AttributeError:
-        return [Problem(AdapterIncompatibleError, f"{name} does not exist in this base model (made for another model?)")]
+        return [
+            Problem(AdapterIncompatibleError, f"{name} does not exist in this base model (made for another model?)")
+        ]
     try:
         a_shape, b_shape = lora_shapes(layer, m.rank)
     except TypeError as e:

@@ -84,10 +84,13 @@ def mini_case(build: Callable[..., DiffusionPipeline], generation: dict) -> Star
 
     def start(device: str, dtype: torch.dtype, compile: bool, folder: Path) -> Engine:
         writer = build()  # float32 on the CPU: the files hold float32 weights, as published LoRAs mostly do
-        specs = tuple(AdapterSpec(id=name, source=str(write_adapter(writer, folder / f"{name}.safetensors", **kw)))
-                      for name, kw in ADAPTERS.items())
-        catalog = Catalog(name=build.__name__, base_model=f"{build.__name__} (random weights)", adapters=specs,
-                          generation=generation)
+        specs = tuple(
+            AdapterSpec(id=name, source=str(write_adapter(writer, folder / f"{name}.safetensors", **kw)))
+            for name, kw in ADAPTERS.items()
+        )
+        catalog = Catalog(
+            name=build.__name__, base_model=f"{build.__name__} (random weights)", adapters=specs, generation=generation
+        )
         m = LoraManager(build(dtype=dtype, device=device), catalog, compile=compile, **ENGINE)
         return m, lambda: build(dtype=dtype, device=device)
 
@@ -192,17 +195,46 @@ def run_case(name: str, device: str, compile: bool, steps: int | None) -> Row:
 
 def table(rows: list[Row]) -> str:
     """Aligned columns, an error by its first line (the JSON and the traceback above have the rest)."""
-    head = ("case", "dtype", "compile s", "recompiles", "swap ms", "engine img/s", "batch img/s", "diffusers img/s",
-            "finite", "ok", "error")
+    head = (
+        "case",
+        "dtype",
+        "compile s",
+        "recompiles",
+        "swap ms",
+        "engine img/s",
+        "batch img/s",
+        "diffusers img/s",
+        "finite",
+        "ok",
+        "error",
+    )
 
     def cell(value) -> str:
         return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
-    lines = [[cell(v) for v in (r.case, r.dtype, r.compile_s, r.recompiles, r.swap_ms_median, r.engine_img_s,
-                                r.batch_img_s, r.diffusers_img_s, r.finite, r.ok,
-                                r.error and r.error.splitlines()[0])] for r in rows]
-    widths = [max(len(x) for x in column) for column in zip(head, *lines)]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *lines])
+    lines = [
+        [
+            cell(v)
+            for v in (
+                r.case,
+                r.dtype,
+                r.compile_s,
+                r.recompiles,
+                r.swap_ms_median,
+                r.engine_img_s,
+                r.batch_img_s,
+                r.diffusers_img_s,
+                r.finite,
+                r.ok,
+                r.error and r.error.splitlines()[0],
+            )
+        ]
+        for r in rows
+    ]
+    widths = [max(len(x) for x in column) for column in zip(head, *lines, strict=True)]
+    return "\n".join(
+        "  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *lines]
+    )
 
 
 def main(cases: list[str], device: str, compile: bool, steps: int | None, json_path: Path | None) -> bool:
@@ -218,7 +250,11 @@ def main(cases: list[str], device: str, compile: bool, steps: int | None, json_p
     print(f"gpu-check on {where}, torch {torch.__version__}, {'compiled' if compile else 'eager'}")
     print(table(rows))
     if json_path is not None:
-        report = {"device": where, "torch": torch.__version__, "compile": compile,
-                  "rows": [{**asdict(r), "ok": r.ok} for r in rows]}
+        report = {
+            "device": where,
+            "torch": torch.__version__,
+            "compile": compile,
+            "rows": [{**asdict(r), "ok": r.ok} for r in rows],
+        }
         json_path.write_text(json.dumps(report, indent=2))
     return all(r.ok for r in rows)

@@ -24,12 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 from ..adapters.sources import resolve
 from ..engine import LoraManager
 from ..testing import levels
 
-PROMPTS = ("a red circle on a blue background", "a green square on a yellow background", "a blue diamond on a white background")
+PROMPTS = (
+    "a red circle on a blue background",
+    "a green square on a yellow background",
+    "a blue diamond on a white background",
+)
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,20 @@ class LoadReport:
         return self.swaps / max(1, self.answered)
 
 
-def report(name: str, jobs: list[Job], answered: list[tuple[Job, object]], wall_s: float, refs: dict, swaps: int,
-           **extra) -> LoadReport:
+def report(
+    name: str, jobs: list[Job], answered: list[tuple[Job, object]], wall_s: float, refs: dict, swaps: int, **extra
+) -> LoadReport:
     """A LoadReport from the jobs sent and the (job, image) pairs that came back."""
     return LoadReport(
-        name=name, requests=len(jobs), answered=len(answered), wall_s=wall_s, images_per_s=len(answered) / wall_s,
+        name=name,
+        requests=len(jobs),
+        answered=len(answered),
+        wall_s=wall_s,
+        images_per_s=len(answered) / wall_s,
         mismatches=sum(levels(image, refs[job]) > 1 for job, image in answered) if refs else 0,
-        adapter_changes_requested=sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:])), swaps=swaps, **extra,
+        adapter_changes_requested=sum(a.adapter != b.adapter for a, b in zip(jobs, jobs[1:], strict=False)),
+        swaps=swaps,
+        **extra,
     )
 
 
@@ -87,8 +97,10 @@ def make_jobs(adapters: list[str | None], n: int, seed: int, strengths: tuple[fl
 def cycle_jobs(adapters: list[str | None], n: int, seed: int) -> list[Job]:
     """Request i asks for adapters[i % len(adapters)]: every adapter (and none) equally often, interleaved."""
     rng = random.Random(seed)
-    return [Job(rng.choice(PROMPTS), adapters[i % len(adapters)], rng.choice((0.6, 1.0)), rng.randrange(1000))
-            for i in range(n)]
+    return [
+        Job(rng.choice(PROMPTS), adapters[i % len(adapters)], rng.choice((0.6, 1.0)), rng.randrange(1000))
+        for i in range(n)
+    ]
 
 
 def solo_references(manager: LoraManager, jobs: list[Job]) -> dict[Job, object]:
@@ -103,9 +115,14 @@ def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, 
     with ThreadPoolExecutor(clients) as pool:
         images = list(pool.map(lambda j: manager.generate(j.prompt, j.adapter, j.strength, j.seed).image, jobs))
     wall = time.perf_counter() - t0
-    waits = sorted(list(manager.scheduler.stats.waits_s)[-len(jobs):])  # this run's requests are the latest
+    waits = sorted(list(manager.scheduler.stats.waits_s)[-len(jobs) :])  # this run's requests are the latest
     return report(
-        name, jobs, list(zip(jobs, images)), wall, refs, manager.stats()["swaps"] - before["swaps"],
+        name,
+        jobs,
+        list(zip(jobs, images, strict=True)),
+        wall,
+        refs,
+        manager.stats()["swaps"] - before["swaps"],
         wait_p50_s=statistics.median(waits) if waits else None,
         wait_p95_s=waits[int(0.95 * (len(waits) - 1))] if waits else None,
         wait_max_s=waits[-1] if waits else None,
@@ -136,7 +153,7 @@ def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, re
     with ThreadPoolExecutor(clients) as pool:
         images = list(pool.map(serve, jobs))
     wall = time.perf_counter() - t0
-    return report("naive swap-on-arrival", jobs, list(zip(jobs, images)), wall, refs, swaps=len(jobs))
+    return report("naive swap-on-arrival", jobs, list(zip(jobs, images, strict=True)), wall, refs, swaps=len(jobs))
 
 
 def with_lora(pipe, adapter: Path):
@@ -154,11 +171,18 @@ def run_plain_batches(pipe, jobs: list[Job], batch: int, refs: dict, params: dic
     t0 = time.perf_counter()
     images = []
     for i in range(0, len(jobs), batch):
-        chunk = jobs[i: i + batch]
+        chunk = jobs[i : i + batch]
         generators = [torch.Generator("cpu").manual_seed(j.seed) for j in chunk]
         images += pipe([j.prompt for j in chunk], generator=generators, **params).images
     wall = time.perf_counter() - t0
-    return report(f"plain diffusers, one LoRA, batches of {batch}", jobs, list(zip(jobs, images)), wall, refs, swaps=0)
+    return report(
+        f"plain diffusers, one LoRA, batches of {batch}",
+        jobs,
+        list(zip(jobs, images, strict=True)),
+        wall,
+        refs,
+        swaps=0,
+    )
 
 
 def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, params: dict) -> LoadReport:
@@ -180,11 +204,18 @@ def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, par
                 pipe.unload_lora_weights()
         images.append(image)
     wall = time.perf_counter() - t0
-    return report("reload per request", jobs, list(zip(jobs, images)), wall, refs, swaps=len(jobs))
+    return report("reload per request", jobs, list(zip(jobs, images, strict=True)), wall, refs, swaps=len(jobs))
 
 
-def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | None = None, preset: str = "tiny",
-         max_batch: int = 8, rounds: int = 3) -> dict:
+def main(
+    clients: int = 4,
+    requests: int = 8,
+    seed: int = 0,
+    json_out: Path | None = None,
+    preset: str = "tiny",
+    max_batch: int = 8,
+    rounds: int = 3,
+) -> dict:
     """Run all servers on the same jobs and print one JSON report. Batches fill only when at least `max_batch`
     clients send at once (`--clients 16`). The three batching servers run in turn, `rounds` times, and are compared
     on their summed times: on a shared CPU the load drifts within minutes, and this spreads it over all three."""
@@ -193,8 +224,10 @@ def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | No
     manager = LoraManager.from_preset(preset, compile=False, max_batch=max_batch)
     ids = [a.id for a in manager.adapters()]
     # the files the engine read, for the plain-diffusers baselines (resolved as the engine resolves them: cached)
-    paths = {i: resolve(s.source, s.id, s.weight_name, s.revision, True, manager.catalog_root)
-             for i, s in ((i, manager.spec(i)) for i in ids)}
+    paths = {
+        i: resolve(s.source, s.id, s.weight_name, s.revision, True, manager.catalog_root)
+        for i, s in ((i, manager.spec(i)) for i in ids)
+    }
     total = clients * requests
     mixed = cycle_jobs([None, *ids], total, seed)
     single = make_jobs([ids[0]], total, seed + 1, strengths=(1.0,))  # plain diffusers serves it at strength 1
@@ -210,7 +243,7 @@ def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | No
         ]
         for _ in range(rounds)
     ]
-    reports = [_combine(list(same)) for same in zip(*turns)]
+    reports = [_combine(list(same)) for same in zip(*turns, strict=True)]
     reports.append(run_naive(_quiet(fresh()), paths, mixed, clients, refs, params))
     reports.append(run_reload(_quiet(fresh()), paths, mixed, refs, params))
     out = {
@@ -232,15 +265,25 @@ def main(clients: int = 4, requests: int = 8, seed: int = 0, json_out: Path | No
 
 def _combine(reports: list[LoadReport]) -> LoadReport:
     """One server's rounds as one report: counts and times summed, waits the worst round's."""
+
     def worst(field: str) -> float | None:
         return max((getattr(r, field) for r in reports if getattr(r, field) is not None), default=None)
 
     total = lambda field: sum(getattr(r, field) for r in reports)  # noqa: E731
     wall = total("wall_s")
     return LoadReport(
-        reports[0].name, total("requests"), total("answered"), wall, total("answered") / wall, total("mismatches"),
-        total("adapter_changes_requested"), total("swaps"), worst("wait_p50_s"), worst("wait_p95_s"),
-        worst("wait_max_s"), total("batches") if reports[0].batches is not None else None,
+        reports[0].name,
+        total("requests"),
+        total("answered"),
+        wall,
+        total("answered") / wall,
+        total("mismatches"),
+        total("adapter_changes_requested"),
+        total("swaps"),
+        worst("wait_p50_s"),
+        worst("wait_p95_s"),
+        worst("wait_max_s"),
+        total("batches") if reports[0].batches is not None else None,
     )
 
 

@@ -40,8 +40,15 @@ FLUX_GEN = {"height": 32, "width": 32, "num_inference_steps": 2, "guidance_scale
 
 def _clip_config(projection_dim: int = WIDTH) -> CLIPTextConfig:
     return CLIPTextConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=MAX_TOKENS, projection_dim=projection_dim, bos_token_id=0, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=2 * WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=MAX_TOKENS,
+        projection_dim=projection_dim,
+        bos_token_id=0,
+        eos_token_id=1,
         pad_token_id=1,
     )
 
@@ -49,9 +56,15 @@ def _clip_config(projection_dim: int = WIDTH) -> CLIPTextConfig:
 def _vae(latent_channels: int, **kwargs) -> AutoencoderKL:
     """Two blocks: one downsample, so 32x32 images give 16x16 latents."""
     return AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4,
-        sample_size=32, mid_block_add_attention=False, **kwargs,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=32,
+        mid_block_add_attention=False,
+        **kwargs,
     )
 
 
@@ -65,8 +78,9 @@ def _ready(pipe, dtype: torch.dtype, device: str | torch.device):
     return pipe.to(device=device, dtype=dtype)
 
 
-def mini_sdxl(seed: int = 0, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> StableDiffusionXLPipeline:
+def mini_sdxl(
+    seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> StableDiffusionXLPipeline:
     """SDXL's layout: DownBlock2D then two cross-attention blocks, 2 resnets a block, 1/1/2 transformer layers (the mid
     block takes the last), "text_time" added conditioning, CLIPTextModel + CLIPTextModelWithProjection."""
     with torch.random.fork_rng():
@@ -91,10 +105,20 @@ def mini_sdxl(seed: int = 0, dtype: torch.dtype = torch.float32,
         vae = _vae(latent_channels=4)
     tokenizer = CLIPTokenizer.from_pretrained(TOKENIZER)
     scheduler = EulerDiscreteScheduler(beta_schedule="scaled_linear", timestep_spacing="trailing")
-    return _ready(StableDiffusionXLPipeline(
-        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer,
-        unet=unet, scheduler=scheduler, add_watermarker=False,
-    ), dtype, device)
+    return _ready(
+        StableDiffusionXLPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            text_encoder_2=text_encoder_2,
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            add_watermarker=False,
+        ),
+        dtype,
+        device,
+    )
 
 
 def mini_flux(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> FluxPipeline:
@@ -122,7 +146,16 @@ def mini_flux(seed: int = 0, dtype: torch.dtype = torch.float32, device: str | t
         )
         vae = _vae(latent_channels=4, shift_factor=0.1, scaling_factor=0.5)
     tokenizer = CLIPTokenizer.from_pretrained(TOKENIZER)
-    return _ready(FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer, transformer=transformer,
-    ), dtype, device)
+    return _ready(
+        FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer,
+            transformer=transformer,
+        ),
+        dtype,
+        device,
+    )

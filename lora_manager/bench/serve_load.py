@@ -16,8 +16,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -57,7 +57,7 @@ def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_f
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(post, range(len(jobs))))
     wall = time.perf_counter() - t0
-    ok = [(job, a) for job, a in zip(jobs, answers) if a is not None]
+    ok = [(job, a) for job, a in zip(jobs, answers, strict=True) if a is not None]
     images = [answer_image(a) for _, a in ok]
     swaps = sum(a["info"]["swap_ms"] > 0 for _, a in ok)
     avoidable = None
@@ -68,9 +68,16 @@ def send(url: str, jobs: list[Job], clients: int, refs: dict, name: str, after_f
             avoidable += a["info"]["swap_ms"] > 0 and job.adapter in live.values()
             live[a["info"]["replica"]] = job.adapter
     return report(
-        name, jobs, [(job, img) for (job, _), img in zip(ok, images)], wall, refs, swaps,
-        avoidable_swaps=avoidable, replicas=dict(Counter(a["info"]["replica"] for _, a in ok)),
-        retried=sum(a["info"]["attempts"] > 1 for _, a in ok), errors=errors,
+        name,
+        jobs,
+        [(job, img) for (job, _), img in zip(ok, images, strict=True)],
+        wall,
+        refs,
+        swaps,
+        avoidable_swaps=avoidable,
+        replicas=dict(Counter(a["info"]["replica"] for _, a in ok)),
+        retried=sum(a["info"]["attempts"] > 1 for _, a in ok),
+        errors=errors,
     )
 
 
@@ -78,8 +85,11 @@ def kill_one_replica(app: str) -> str:
     """Kill one replica actor of `app` (Serve starts a new one); returns its actor name."""
     import ray
 
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["name"].startswith(f"SERVE_REPLICA::{app}#LoraReplica#"))
+    names = sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#LoraReplica#")
+    )
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
     return names[0]
 
@@ -92,26 +102,34 @@ def running(preset: str = "tiny", replicas: int = 2) -> Iterator[tuple[str, floa
 
     from ..serving.ray_app import ROUTINGS, build_app
 
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     # Logical CPUs: Ray schedules by them; the real cores are shared (each replica runs one torch thread).
-    ray.init(num_cpus=2 * replicas + 2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
+    ray.init(num_cpus=2 * replicas + 2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
         for routing in ROUTINGS:
-            serve.run(build_app(preset, replicas, routing, compile=False, threads=1), name=routing,
-                      route_prefix=f"/{routing}")
+            serve.run(
+                build_app(preset, replicas, routing, compile=False, threads=1), name=routing, route_prefix=f"/{routing}"
+            )
         yield f"http://127.0.0.1:{port}", time.perf_counter() - t0
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def measure(base: str, preset: str = "tiny", requests: int = 16, clients: int = 2, seed: int = 0,
-            kill_requests: int | None = None) -> dict:
+def measure(
+    base: str,
+    preset: str = "tiny",
+    requests: int = 16,
+    clients: int = 2,
+    seed: int = 0,
+    kill_requests: int | None = None,
+) -> dict:
     """The loads against running apps: each routing with one client and with `clients`, then the replica kill under
     `kill_requests` jobs (default: twice `requests`) from twice the clients."""
     manager = LoraManager.from_preset(preset, compile=False)
@@ -120,13 +138,28 @@ def measure(base: str, preset: str = "tiny", requests: int = 16, clients: int = 
     jobs = make_jobs(popular, requests, seed)
     kill_jobs = make_jobs(popular, kill_requests or 2 * requests, seed + 1)
     refs = solo_references(manager, jobs + kill_jobs)
-    loads = [send(f"{base}/{r}", jobs, n, refs, f"{r} routing, {n} client{'s' * (n > 1)}")
-             for n in sorted({1, clients}) for r in ("default", "affinity")]
+    loads = [
+        send(f"{base}/{r}", jobs, n, refs, f"{r} routing, {n} client{'s' * (n > 1)}")
+        for n in sorted({1, clients})
+        for r in ("default", "affinity")
+    ]
     killed: list[str] = []
-    loads.append(send(f"{base}/affinity", kill_jobs, 2 * clients, refs, "affinity, one replica killed",
-                      after_first=(len(kill_jobs) // 4, lambda: killed.append(kill_one_replica("affinity")))))
-    return {"preset": preset, "clients": clients, "killed": killed,
-            "loads": [asdict(r) | {"swaps_per_request": r.swaps_per_request} for r in loads]}
+    loads.append(
+        send(
+            f"{base}/affinity",
+            kill_jobs,
+            2 * clients,
+            refs,
+            "affinity, one replica killed",
+            after_first=(len(kill_jobs) // 4, lambda: killed.append(kill_one_replica("affinity"))),
+        )
+    )
+    return {
+        "preset": preset,
+        "clients": clients,
+        "killed": killed,
+        "loads": [asdict(r) | {"swaps_per_request": r.swaps_per_request} for r in loads],
+    }
 
 
 def run(preset: str = "tiny", replicas: int = 2, requests: int = 16, clients: int = 2, seed: int = 0) -> dict:

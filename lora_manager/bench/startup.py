@@ -59,8 +59,12 @@ def measure(rounds: int, preset: str = "tiny", threads: int | None = None) -> di
         pair = {mode: start_once(mode, preset, threads) for mode in order}
         starts += [asdict(pair[mode]) for mode in order]
         ratios.append(round(pair["compiled"].ready_s / pair["eager"].ready_s, 2))
-        print(f"round {r + 1}: eager {pair['eager'].ready_s:.1f} s, compiled {pair['compiled'].ready_s:.1f} s "
-              f"({ratios[-1]}x; {pair['compiled'].compile_source})", file=sys.stderr, flush=True)
+        print(
+            f"round {r + 1}: eager {pair['eager'].ready_s:.1f} s, compiled {pair['compiled'].ready_s:.1f} s "
+            f"({ratios[-1]}x; {pair['compiled'].compile_source})",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"preset": preset, "threads": threads, "starts": starts, "ratios": ratios, "median_ratio": median(ratios)}
 
 

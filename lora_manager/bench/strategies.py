@@ -13,9 +13,10 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -128,6 +129,11 @@ def device_of(model: nn.Module) -> torch.device:
 @torch.no_grad()
 def forward(unet: nn.Module, inputs: Inputs) -> torch.Tensor:
     return unet(**inputs).sample
+
+
+def timed_forward(unet: nn.Module, inputs: Inputs, repeats: int) -> Timing:
+    """`timed` over forwards of `unet` on `inputs`, on the device its parameters live on."""
+    return timed(lambda _: forward(unet, inputs), repeats, device_of(unet))
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------------
@@ -244,9 +250,9 @@ def measure_resident(
         if i + 1 not in counts:
             continue
         names, weights = [f"resident{j}" for j in range(i + 1)], [1.0] + [0.0] * i
-        set_ms.append(timed(lambda _: unet.set_adapters(names, weights), repeats, device))
+        set_ms.append(timed(lambda _, names=names, weights=weights: unet.set_adapters(names, weights), repeats, device))
         if inputs is not None:
-            fwd_ms.append(timed(lambda _: forward(unet, inputs), repeats, device))
+            fwd_ms.append(timed_forward(unet, inputs, repeats))
     return Resident(tuple(counts), tuple(set_ms), tuple(fwd_ms) if inputs is not None else None)
 
 
@@ -261,14 +267,14 @@ def measure_slots(
 ) -> Slots:
     """Forward time with K hotswap slots, each filled with an adapter: what combining K LoRAs costs per step."""
     unet = make_unet()
-    base = timed(lambda _: forward(unet, inputs), repeats, device_of(unet))
+    base = timed_forward(unet, inputs, repeats)
     fwd = []
     for k in counts:
         del unet  # a fresh denoiser per K (templates are never removed in place); one in memory at a time
         unet = make_unet()
         for slot, w in zip(prepare_engine(unet, modules, rank, k), itertools.cycle(weights)):
             slot.load(w, 1.0)
-        fwd.append(timed(lambda _: forward(unet, inputs), repeats, device_of(unet)))
+        fwd.append(timed_forward(unet, inputs, repeats))
     return Slots(tuple(counts), base, tuple(fwd))
 
 

@@ -6,10 +6,10 @@ resident adapters, the engine-vs-hotswap output check and (--compile) recompiles
 swap timing; on CUDA they are filled so a forward can be timed) and random attention LoRAs of rank 64, 48 and 16.
 Nothing is downloaded. See `strategies.py` for what each number is.
 
-Mixed-adapter batches (`hotswap/batched.py`): a denoiser forward over MIXED_REQUESTS requests (classifier-free guidance: twice
-as many rows) without LoRA, with one template slot shared by every row (a same-adapter batch), and with gathered
-per-row LoRA over device slots holding different adapters, at the workload's rank and at rank 64. Where no forward
-can be timed (SDXL on CPU) the same code is timed on single SDXL-width attention projections instead.
+Mixed-adapter batches (`hotswap/batched.py`): a denoiser forward over MIXED_REQUESTS requests (classifier-free
+guidance: twice as many rows) without LoRA, with one template slot shared by every row (a same-adapter batch), and
+with gathered per-row LoRA over device slots holding different adapters, at the workload's rank and at rank 64. Where
+no forward can be timed (SDXL on CPU) the same code is timed on single SDXL-width attention projections instead.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import os
 import platform
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import diffusers
 import peft
@@ -92,8 +92,16 @@ def run(scale: str, repeats: int, device: str | None = None, dtype: str | None =
     with tempfile.TemporaryDirectory(prefix="lora_bench_") as tmp:
         wl = tiny_workload(dev, dt) if scale == "tiny" else sdxl_workload(dev, dt, Path(tmp))
         measured = measure(wl, repeats, compile)
-    adapters = [{"name": a.name, "rank": a.rank, "alpha": a.weights.alpha, "modules": len(a.weights.modules),
-                 "mib": round(a.weights.nbytes / 2**20, 2)} for a in _unique(wl.primary + wl.mixed)]
+    adapters = [
+        {
+            "name": a.name,
+            "rank": a.rank,
+            "alpha": a.weights.alpha,
+            "modules": len(a.weights.modules),
+            "mib": round(a.weights.nbytes / 2**20, 2),
+        }
+        for a in _unique(wl.primary + wl.mixed)
+    ]
     return {
         "scale": scale,
         "dtype": str(dt).removeprefix("torch."),
@@ -128,11 +136,10 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
     engine_forward, compiled, slots = None, None, None
     if wl.inputs is not None:
         modules = {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}
-        slots = S.measure_slots(wl.make_unet, modules, wl.target_rank, wl.slot_weights, SLOT_COUNTS, wl.inputs,
-                                repeats)
+        slots = S.measure_slots(wl.make_unet, modules, wl.target_rank, wl.slot_weights, SLOT_COUNTS, wl.inputs, repeats)
     mixed = measure_mixed(wl, repeats) if wl.inputs is not None else measure_mixed_layers(wl, max(1, repeats // 3))
     if wl.inputs is not None:
-        engine_forward = S.timed(lambda _: S.forward(unet, wl.inputs), repeats, S.device_of(unet))
+        engine_forward = S.timed_forward(unet, wl.inputs, repeats)
         if compile:
             compiled = S.measure_compile(unet, slot, primary, wl.inputs, COMPILE_SWAPS)
     elif compile:
@@ -167,7 +174,9 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
             "counts": list(slots.counts),
             "base_forward_ms": slots.base_forward.median_ms,
             "forward_ms": [t.median_ms for t in slots.forward],
-        } if slots else None,
+        }
+        if slots
+        else None,
         "compile": asdict(compiled) if compiled else None,
         "mixed_batch": mixed,
         "check": check,
@@ -198,13 +207,14 @@ def _check(wl: Workload, slot, unet: nn.Module, hot_unet: nn.Module) -> dict:
     return out
 
 
-def prepare_gathered(unet: nn.Module, modules: set[str], rank: int, weights: list[AdapterWeights],
-                     requests: int) -> BatchRows:
+def prepare_gathered(
+    unet: nn.Module, modules: set[str], rank: int, weights: list[AdapterWeights], requests: int
+) -> BatchRows:
     """The engine's mixed-batch preparation on a bare denoiser (`prepare_template` with rows): one zero
     template per device slot, re-based onto stacks, each slot filled with one of `weights`; row i picks slot i % D."""
     rows = BatchRows(requests, 1, S.device_of(unet))
     slots, _ = prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, len(weights), rows)
-    for slot, w in zip(slots, weights):
+    for slot, w in zip(slots, weights, strict=True):
         slot.load(w, 1.0)
     rows.write([[(i % len(weights), 1.0)] for i in range(requests)])
     return rows
@@ -215,17 +225,21 @@ def measure_mixed(wl: Workload, repeats: int) -> dict:
     inputs = _repeat_rows(wl.inputs, MIXED_REQUESTS)
     modules = {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}
     base = wl.make_unet()
-    out = {"requests": MIXED_REQUESTS, "rows": MIXED_REQUESTS * 2, "device_slots": len(wl.slot_weights),
-           "no_lora_ms": S.timed(lambda _: S.forward(base, inputs), repeats, S.device_of(base)).median_ms}
+    out = {
+        "requests": MIXED_REQUESTS,
+        "rows": MIXED_REQUESTS * 2,
+        "device_slots": len(wl.slot_weights),
+        "no_lora_ms": S.timed_forward(base, inputs, repeats).median_ms,
+    }
     del base
     for rank in (wl.target_rank, *MIXED_RANKS):
         one = wl.make_unet()
         S.prepare_engine(one, modules, rank)[0].load(wl.slot_weights[0], 1.0)
-        same = S.timed(lambda _: S.forward(one, inputs), repeats, S.device_of(one)).median_ms
+        same = S.timed_forward(one, inputs, repeats).median_ms
         del one
         gathered = wl.make_unet()
         prepare_gathered(gathered, modules, rank, wl.slot_weights, MIXED_REQUESTS)
-        mixed = S.timed(lambda _: S.forward(gathered, inputs), repeats, S.device_of(gathered)).median_ms
+        mixed = S.timed_forward(gathered, inputs, repeats).median_ms
         del gathered
         out[f"rank{rank}"] = {"one_slot_same_adapter_ms": same, "gathered_mixed_ms": mixed}
     return out
@@ -238,36 +252,50 @@ def measure_mixed_layers(wl: Workload, repeats: int) -> dict:
 
     device = torch.device("cpu")  # only used where no forward can be timed, i.e. without CUDA
     rows_n, slots, rank = MIXED_REQUESTS // 2, len(wl.slot_weights), wl.target_rank
-    out = {"requests": rows_n, "rows": rows_n * 2, "device_slots": slots, "rank": rank, "dtype": "float32",
-           "layers": []}
+    out = {
+        "requests": rows_n,
+        "rows": rows_n * 2,
+        "device_slots": slots,
+        "rank": rank,
+        "dtype": "float32",
+        "layers": [],
+    }
     for width, tokens in SDXL_LAYERS:
         model = nn.Sequential(nn.Linear(width, width)).to(device).requires_grad_(False)
         x = torch.randn(rows_n * 2, tokens, width, device=device)
         names = slot_names(slots)
         with torch.no_grad():
-            base = S.timed(lambda _: model(x), repeats, device).median_ms
+            base = _call_ms(model, x, repeats, device)
             for name in names:
                 config = LoraConfig(r=rank, lora_alpha=rank, target_modules=["0"], init_lora_weights=False)
                 inject_adapter_in_model(config, model, adapter_name=name)
             model[0].set_adapter([names[0]], inference_mode=True)
-            one = S.timed(lambda _: model(x), repeats, device).median_ms
+            one = _call_ms(model, x, repeats, device)
             rows = BatchRows(rows_n, 1, device)
             install({"m": model}, names, rows)
             rows.write([[(i % slots, 1.0)] for i in range(rows_n)])
-            gathered = S.timed(lambda _: model(x), repeats, device).median_ms
-        out["layers"].append({"width": width, "tokens": tokens, "no_lora_ms": base, "one_branch_ms": one,
-                              "gathered_mixed_ms": gathered})
+            gathered = _call_ms(model, x, repeats, device)
+        out["layers"].append(
+            {"width": width, "tokens": tokens, "no_lora_ms": base, "one_branch_ms": one, "gathered_mixed_ms": gathered}
+        )
     return out
+
+
+def _call_ms(model: nn.Module, x: torch.Tensor, repeats: int, device: torch.device) -> float:
+    """Median ms of `model(x)`."""
+    return S.timed(lambda _: model(x), repeats, device).median_ms
 
 
 def _repeat_rows(inputs: S.Inputs, requests: int) -> S.Inputs:
     """The denoiser inputs of one request ([uncond; cond]) for `requests` requests: [uncond x N; cond x N]."""
+
     def rep(v):
         if isinstance(v, dict):
             return {k: rep(t) for k, t in v.items()}
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return v.repeat_interleave(requests, dim=0)
         return v
+
     return {k: rep(v) for k, v in inputs.items()}
 
 
@@ -275,7 +303,8 @@ def _repeat_rows(inputs: S.Inputs, requests: int) -> S.Inputs:
 
 
 def tiny_workload(device: torch.device, dtype: torch.dtype) -> Workload:
-    """The tiny preset's denoiser-only adapters (diffusers' hotswap reaches only the denoiser: a text-encoder part would leave the pipeline half-swapped)."""
+    """The tiny preset's denoiser-only adapters (diffusers' hotswap reaches only the denoiser: a text-encoder part
+    would leave the pipeline half-swapped)."""
     loader = StableDiffusionLoraLoaderMixin
     catalog, root = load_preset("tiny")
     model = Path(resolve_base_model(catalog, root))
@@ -316,8 +345,14 @@ def sdxl_workload(device: torch.device, dtype: torch.dtype, folder: Path) -> Wor
         for seed, (name, rank, alpha) in enumerate(SDXL_ADAPTERS)
     }
     forward = device.type == "cuda"
-    notes = [] if forward else ["SDXL forward not timed on CPU (minutes per call even at 256x256 in bf16): resident "
-                                "cost is set_adapters only, and the K-slot forward cost is not measured."]
+    notes = (
+        []
+        if forward
+        else [
+            "SDXL forward not timed on CPU (minutes per call even at 256x256 in bf16): resident "
+            "cost is set_adapters only, and the K-slot forward cost is not measured."
+        ]
+    )
     return Workload(
         make_unet=lambda: _sdxl_unet(device, dtype, filled=forward),
         loader=loader,
@@ -345,8 +380,17 @@ def _sdxl_unet(device: torch.device, dtype: torch.dtype, filled: bool = False) -
     return unet.eval()
 
 
-def _random_adapter(shapes: nn.Module, loader: type, folder: Path, name: str, rank: int, alpha: float, seed: int,
-                    dtype: torch.dtype, device: torch.device) -> S.BenchAdapter:
+def _random_adapter(
+    shapes: nn.Module,
+    loader: type,
+    folder: Path,
+    name: str,
+    rank: int,
+    alpha: float,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> S.BenchAdapter:
     """A random attention LoRA over `shapes`' modules, saved as diffusers would and held as the engine holds it."""
     sd = lora_layers(shapes, ATTENTION, rank, seed, scale=0.01 * rank**0.5)  # B ~ N(0, 0.01^2)
     modules = {}
@@ -380,6 +424,7 @@ def _tiny_inputs(model: Path, device: torch.device, dtype: torch.dtype) -> S.Inp
 
 def _sdxl_inputs(device: torch.device, dtype: torch.dtype) -> S.Inputs:
     """A 1024x1024 classifier-free-guidance step (batch 2, 77 tokens)."""
+
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
 
@@ -437,18 +482,24 @@ def _machine(device: torch.device) -> dict:
 def format_table(report: dict) -> str:
     """The results as aligned text, each against the per-tensor copy floor."""
     floor = report["results"]["floor_per_tensor_ms"]
-    lines = [f"scale={report['scale']} dtype={report['dtype']} device={report['device']} "
-             f"repeats={report['repeats']} target_rank={report['target_rank']}"]
+    lines = [
+        f"scale={report['scale']} dtype={report['dtype']} device={report['device']} "
+        f"repeats={report['repeats']} target_rank={report['target_rank']}"
+    ]
     lines += [f"  {k:<32} {v:>10.3f} ms  {v / floor:>7.2f}x floor" for k, v in report["results"].items()]
     res = report["resident"]
     lines.append(f"  set_adapters ms for N={res['counts']}: {[round(v, 2) for v in res['set_adapters_ms']]}")
     if res["forward_ms"]:
-        lines.append(f"  forward ms for N resident: {[round(v, 2) for v in res['forward_ms']]}; "
-                     f"engine forward {res['engine_forward_ms']:.2f} ms")
+        lines.append(
+            f"  forward ms for N resident: {[round(v, 2) for v in res['forward_ms']]}; "
+            f"engine forward {res['engine_forward_ms']:.2f} ms"
+        )
     if report["slots"]:
         sl = report["slots"]
-        lines.append(f"  forward ms with K slots {sl['counts']}: {[round(v, 2) for v in sl['forward_ms']]}; "
-                     f"no LoRA layers {sl['base_forward_ms']:.2f} ms")
+        lines.append(
+            f"  forward ms with K slots {sl['counts']}: {[round(v, 2) for v in sl['forward_ms']]}; "
+            f"no LoRA layers {sl['base_forward_ms']:.2f} ms"
+        )
     if report["compile"]:
         lines.append(f"  compile: {report['compile']}")
     lines.append(f"  mixed batch: {report['mixed_batch']}")
@@ -464,8 +515,10 @@ def make_figure(report: dict):
     fig = Figure(figsize=(14, 5.5))
     bars, lines = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.4, 1]})
     items = sorted(report["results"].items(), key=lambda kv: kv[1])
-    colors = ["tab:green" if k.startswith("engine") else "tab:gray" if k.startswith("floor") else "tab:orange"
-              for k, _ in items]
+    colors = [
+        "tab:green" if k.startswith("engine") else "tab:gray" if k.startswith("floor") else "tab:orange"
+        for k, _ in items
+    ]
     bars.barh([k.removesuffix("_ms") for k, _ in items], [v for _, v in items], color=colors)
     for y, (_, v) in enumerate(items):
         bars.text(v, y, f" {v:.0f}" if v >= 100 else f" {v:.3g}", va="center", fontsize=8)
@@ -474,13 +527,24 @@ def make_figure(report: dict):
     bars.set_title(f"Switching adapters: {report['scale']}, {report['dtype']}, {report['device']}")
     res = report["resident"]
     if res["forward_ms"]:
-        lines.plot(res["counts"], res["forward_ms"], "o-", color="tab:orange",
-                   label="diffusers: N resident, unused at weight 0")
-        lines.axhline(res["engine_forward_ms"], ls="--", color="tab:green",
-                      label="engine: one slot, any N held in CPU memory")
+        lines.plot(
+            res["counts"],
+            res["forward_ms"],
+            "o-",
+            color="tab:orange",
+            label="diffusers: N resident, unused at weight 0",
+        )
+        lines.axhline(
+            res["engine_forward_ms"], ls="--", color="tab:green", label="engine: one slot, any N held in CPU memory"
+        )
         slots = report["slots"]
-        lines.plot(slots["counts"], slots["forward_ms"], "s:", color="tab:olive",
-                   label="engine: K slots, K LoRAs combined per request")
+        lines.plot(
+            slots["counts"],
+            slots["forward_ms"],
+            "s:",
+            color="tab:olive",
+            label="engine: K slots, K LoRAs combined per request",
+        )
         lines.set_ylabel("denoiser forward, ms")
         lines.set_title("Forward cost vs LoRAs the forward computes")
     else:

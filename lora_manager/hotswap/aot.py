@@ -86,15 +86,18 @@ class DenoiserShapes:
     def example_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sample, timestep, encoder_hidden_states) of these shapes, for export; timestep is one float per row."""
         dtype = getattr(torch, self.dtype)
-        sample = torch.randn(self.batch, self.in_channels, self.latent_height, self.latent_width, dtype=dtype,
-                             device=device)
+        sample = torch.randn(
+            self.batch, self.in_channels, self.latent_height, self.latent_width, dtype=dtype, device=device
+        )
         timestep = torch.full((self.batch,), 500.0, device=device)
         text = torch.randn(self.batch, self.text_len, self.text_dim, dtype=dtype, device=device)
         return sample, timestep, text
 
     def describe(self) -> str:
-        return (f"batch {self.batch} (images x 2 with guidance), latents {self.in_channels}x{self.latent_height}x"
-                f"{self.latent_width}, text {self.text_len}x{self.text_dim}, {self.dtype} on {self.device}")
+        return (
+            f"batch {self.batch} (images x 2 with guidance), latents {self.in_channels}x{self.latent_height}x"
+            f"{self.latent_width}, text {self.text_len}x{self.text_dim}, {self.dtype} on {self.device}"
+        )
 
 
 class _BufferScalings(dict):
@@ -127,8 +130,10 @@ def _scalings_as_buffers(unet: nn.Module) -> Iterator[None]:
         for module_name, layer in _lora_layers(unet):
             names = [n for n, v in layer.scaling.items() if isinstance(v, torch.Tensor)]
             if len(names) != len(layer.scaling):
-                raise TypeError(f"{module_name}: float LoRA scalings would be baked into the package; prepare the "
-                                f"template for hotswap first (enable_lora_hotswap before the first load).")
+                raise TypeError(
+                    f"{module_name}: float LoRA scalings would be baked into the package; prepare the "
+                    f"template for hotswap first (enable_lora_hotswap before the first load)."
+                )
             for n in names:
                 layer.register_buffer(SCALING_BUFFER + n, layer.scaling[n], persistent=False)
             changed.append((layer, layer.scaling, names))
@@ -170,16 +175,22 @@ def package_denoiser(pipe, path: str | Path, shapes: DenoiserShapes, **inductor_
     with _scalings_as_buffers(unet), torch.no_grad():
         # the UNet itself, not a wrapper module: the package's constants then carry the UNet's own names (its
         # state_dict keys), which is also what `spaces.aoti_patch` binds. return_dict=False: a tuple, not a dataclass.
-        exported = torch.export.export(unet, (sample, timestep), {"encoder_hidden_states": text, "return_dict": False},
-                                       strict=False)
+        exported = torch.export.export(
+            unet, (sample, timestep), {"encoder_hidden_states": text, "return_dict": False}, strict=False
+        )
         # every scaling must be a named buffer of the export, never an anonymous lifted constant (= a baked value)
         live = live_constants(unet)
         anonymous = [n for n in exported.constants if n not in live]
         if anonymous:
             raise RuntimeError(f"export lifted tensors the package could not rebind: {anonymous[:5]}")
         layout = _layout(live)
-    meta = {"format": _FORMAT, "torch": torch.__version__, "shapes": asdict(shapes), "constants": layout,
-            "cuda_capability": cuda_capability(unet.device)}
+    meta = {
+        "format": _FORMAT,
+        "torch": torch.__version__,
+        "shapes": asdict(shapes),
+        "constants": layout,
+        "cuda_capability": cuda_capability(unet.device),
+    }
     configs = {
         "aot_inductor.package_constants_in_so": False,  # kernels only: the caller's tensors are the weights
         "aot_inductor.package_constants_on_disk_format": None,
@@ -193,8 +204,12 @@ def package_denoiser(pipe, path: str | Path, shapes: DenoiserShapes, **inductor_
         "joint_graph_constant_folding": False,
         **inductor_configs,
     }
-    if configs.get("freezing") or configs.get("aot_inductor.use_runtime_constant_folding") \
-            or not configs["always_keep_tensor_constants"] or configs["aot_inductor.package_constants_in_so"]:
+    if (
+        configs.get("freezing")
+        or configs.get("aot_inductor.use_runtime_constant_folding")
+        or not configs["always_keep_tensor_constants"]
+        or configs["aot_inductor.package_constants_in_so"]
+    ):
         raise ValueError("these inductor configs would fold or bake the LoRA tensors into the package.")
     torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=configs)
     _check_swappable(open_package(path).get_constant_fqns(), unet, path)
@@ -207,8 +222,11 @@ def swappable_constants(unet: nn.Module, prefix: str = "") -> list[str]:
     for module_name, layer in _lora_layers(unet):
         for adapter in layer.lora_A:
             base = f"{prefix}{module_name}"
-            names += [f"{base}.lora_A.{adapter}.weight", f"{base}.lora_B.{adapter}.weight",
-                      f"{base}.{SCALING_BUFFER}{adapter}"]
+            names += [
+                f"{base}.lora_A.{adapter}.weight",
+                f"{base}.lora_B.{adapter}.weight",
+                f"{base}.{SCALING_BUFFER}{adapter}",
+            ]
     return names
 
 
@@ -216,8 +234,10 @@ def _check_swappable(fqns: list[str], unet: nn.Module, path: Path) -> None:
     """A LoRA tensor that is not among the package's constants was compiled in as a value: swaps would be ignored."""
     baked = sorted(set(swappable_constants(unet)) - set(fqns))
     if baked:
-        raise RuntimeError(f"{path.name}: {len(baked)} LoRA tensor(s) are baked into the package, not bound, e.g. "
-                           f"{baked[:3]}; swaps would not reach them.")
+        raise RuntimeError(
+            f"{path.name}: {len(baked)} LoRA tensor(s) are baked into the package, not bound, e.g. "
+            f"{baked[:3]}; swaps would not reach them."
+        )
 
 
 @dataclass
@@ -239,25 +259,44 @@ class AotDenoiser:
             "encoder_hidden_states": (s.batch, s.text_len, s.text_dim),
         }
         for name, tensor in (("sample", sample), ("encoder_hidden_states", encoder_hidden_states)):
-            if tuple(tensor.shape) != want[name] or str(tensor.dtype).removeprefix("torch.") != s.dtype \
-                    or tensor.device.type != s.device:
+            if (
+                tuple(tensor.shape) != want[name]
+                or str(tensor.dtype).removeprefix("torch.") != s.dtype
+                or tensor.device.type != s.device
+            ):
                 raise AotShapeError(
                     f"AOT denoiser {self.path.name} was compiled for {s.describe()}; got {name} "
                     f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}. Call the pipeline with the height, "
                     f"width, images per prompt and guidance it was packaged for, or package another."
                 )
 
-    def __call__(self, sample: torch.Tensor, timestep, encoder_hidden_states: torch.Tensor,
-                 timestep_cond=None, attention_mask=None, cross_attention_kwargs=None, added_cond_kwargs=None,
-                 down_block_additional_residuals=None, mid_block_additional_residual=None,
-                 down_intrablock_additional_residuals=None, encoder_attention_mask=None,
-                 class_labels=None, return_dict: bool = True):
+    def __call__(
+        self,
+        sample: torch.Tensor,
+        timestep,
+        encoder_hidden_states: torch.Tensor,
+        timestep_cond=None,
+        attention_mask=None,
+        cross_attention_kwargs=None,
+        added_cond_kwargs=None,
+        down_block_additional_residuals=None,
+        mid_block_additional_residual=None,
+        down_intrablock_additional_residuals=None,
+        encoder_attention_mask=None,
+        class_labels=None,
+        return_dict: bool = True,
+    ):
         """`UNet2DConditionModel.forward`'s signature; what the package cannot express is refused, not ignored."""
-        extras = dict(timestep_cond=timestep_cond, attention_mask=attention_mask, added_cond_kwargs=added_cond_kwargs,
-                      down_block_additional_residuals=down_block_additional_residuals,
-                      mid_block_additional_residual=mid_block_additional_residual,
-                      down_intrablock_additional_residuals=down_intrablock_additional_residuals,
-                      encoder_attention_mask=encoder_attention_mask, class_labels=class_labels)
+        extras = dict(
+            timestep_cond=timestep_cond,
+            attention_mask=attention_mask,
+            added_cond_kwargs=added_cond_kwargs,
+            down_block_additional_residuals=down_block_additional_residuals,
+            mid_block_additional_residual=mid_block_additional_residual,
+            down_intrablock_additional_residuals=down_intrablock_additional_residuals,
+            encoder_attention_mask=encoder_attention_mask,
+            class_labels=class_labels,
+        )
         given = [k for k, v in extras.items() if v is not None]
         if cross_attention_kwargs:  # e.g. {"scale": ...}: strength goes through the template's scalings instead
             given.append("cross_attention_kwargs")
@@ -269,8 +308,12 @@ class AotDenoiser:
             t = t.reshape(()).repeat(self.shapes.batch)
         elif tuple(t.shape) != (self.shapes.batch,):
             raise AotShapeError(f"timestep of shape {tuple(t.shape)}; expected a scalar or ({self.shapes.batch},).")
-        out, = self.model(sample.contiguous(), t.contiguous(), encoder_hidden_states=encoder_hidden_states.contiguous(),
-                          return_dict=False)
+        (out,) = self.model(
+            sample.contiguous(),
+            t.contiguous(),
+            encoder_hidden_states=encoder_hidden_states.contiguous(),
+            return_dict=False,
+        )
         self.calls += 1
         if not return_dict:
             return (out,)
@@ -297,8 +340,9 @@ def open_package(path: str | Path):
     from torch.export.pt2_archive._package import AOTICompiledModel
 
     if not Path(path).is_file():
-        raise AotShapeError(f"AOT package {str(path)[:200]!r}: no such file (build one with `python -m lora_manager "
-                            f"aot-package`).")
+        raise AotShapeError(
+            f"AOT package {str(path)[:200]!r}: no such file (build one with `python -m lora_manager aot-package`)."
+        )
     try:
         model = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
         meta = model.get_metadata()
@@ -320,9 +364,11 @@ def cuda_capability(device: torch.device) -> str | None:
 def check_capability(built: str | None, here: str | None, name: str) -> None:
     """A CUDA package runs only on the compute capability it was compiled for: refuse another with both named."""
     if built is not None and built != here:
-        raise AotShapeError(f"{name} was compiled for CUDA compute capability {built}; this device has "
-                            f"{here or 'no CUDA'}. Build a package on this GPU with `python -m lora_manager "
-                            f"aot-package`.")
+        raise AotShapeError(
+            f"{name} was compiled for CUDA compute capability {built}; this device has "
+            f"{here or 'no CUDA'}. Build a package on this GPU with `python -m lora_manager "
+            f"aot-package`."
+        )
 
 
 def read_metadata(model) -> dict[str, Any]:
@@ -355,16 +401,20 @@ def load_denoiser(pipe, path: str | Path, install: bool = True) -> AotDenoiser:
     wanted = model.get_constant_fqns()
     missing = [n for n in wanted if n not in live]
     if missing:
-        raise AotShapeError(f"{path.name} reads {len(missing)} tensor(s) this UNet does not have, e.g. {missing[:3]}; "
-                            f"was it packaged from another model or template (target rank, adapter modules)?")
+        raise AotShapeError(
+            f"{path.name} reads {len(missing)} tensor(s) this UNet does not have, e.g. {missing[:3]}; "
+            f"was it packaged from another model or template (target rank, adapter modules)?"
+        )
     _check_swappable(wanted, unet, path)
     bound = {n: live[n] for n in wanted}
     layout = meta["constants"]
     for n, t in bound.items():
         shape, dtype = layout.get(n, (None, None))
         if [list(t.shape), str(t.dtype).removeprefix("torch.")] != [shape, dtype]:
-            raise AotShapeError(f"{n}: the package expects {shape} {dtype}, the UNet has {list(t.shape)} {t.dtype} "
-                                f"(another target rank or dtype?).")
+            raise AotShapeError(
+                f"{n}: the package expects {shape} {dtype}, the UNet has {list(t.shape)} {t.dtype} "
+                f"(another target rank or dtype?)."
+            )
         if not t.is_contiguous() or t.device.type != shapes.device:
             raise AotShapeError(f"{n}: bound tensors must be contiguous and on {shapes.device}.")
     model.load_constants(bound, check_full_update=True, user_managed=True)
@@ -383,5 +433,15 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["AotDenoiser", "AotShapeError", "DenoiserShapes", "file_digest", "live_constants", "load_denoiser",
-           "open_package", "package_denoiser", "read_metadata", "swappable_constants"]
+__all__ = [
+    "AotDenoiser",
+    "AotShapeError",
+    "DenoiserShapes",
+    "file_digest",
+    "live_constants",
+    "load_denoiser",
+    "open_package",
+    "package_denoiser",
+    "read_metadata",
+    "swappable_constants",
+]

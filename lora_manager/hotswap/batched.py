@@ -53,8 +53,17 @@ class BatchRows:
 
 
 @torch.library.custom_op("lora_manager::gathered_lora", mutates_args=())
-def gathered_lora(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, scaling: torch.Tensor, index: torch.Tensor,
-                  strength: torch.Tensor, rank: int, stride: list[int], padding: list[int]) -> torch.Tensor:
+def gathered_lora(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    Bt: torch.Tensor,
+    scaling: torch.Tensor,
+    index: torch.Tensor,
+    strength: torch.Tensor,
+    rank: int,
+    stride: list[int],
+    padding: list[int],
+) -> torch.Tensor:
     """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), over the
     first `rank` columns of the stacks. One operator to torch.compile: dynamo traces one node per layer instead of
     every step below, which keeps the compile of a denoiser with a hundred LoRA layers short."""
@@ -116,14 +125,21 @@ class GatheredLora:
         if self.rank == 0:
             return output
         rows = self.rows
-        delta = gathered_lora(x.to(self.A.dtype), self.A, self.Bt, self.scaling, rows.index, rows.strength, self.rank,
-                              self.stride, self.padding)
+        delta = gathered_lora(
+            x.to(self.A.dtype),
+            self.A,
+            self.Bt,
+            self.scaling,
+            rows.index,
+            rows.strength,
+            self.rank,
+            self.stride,
+            self.padding,
+        )
         return output + delta.to(output.dtype)
 
 
-def install(
-    components: dict[str, nn.Module], names: list[str], rows: BatchRows
-) -> dict[tuple[str, str], GatheredLora]:
+def install(components: dict[str, nn.Module], names: list[str], rows: BatchRows) -> dict[tuple[str, str], GatheredLora]:
     """Re-base every template layer onto stacks and give it the gathered forward (before compile: the forwards and
     stacks are then part of the compiled graphs). Returns the layers by (component, module)."""
     layers = {}

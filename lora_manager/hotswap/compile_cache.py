@@ -67,8 +67,9 @@ class BundleKey:
         return f"{self.device.replace(' ', '-').lower()}-torch{self.torch}-{digest}"
 
 
-def bundle_key(device: torch.device, dtype: torch.dtype, target_rank: int, slots: int, template_modules: int,
-               generation: dict) -> BundleKey:
+def bundle_key(
+    device: torch.device, dtype: torch.dtype, target_rank: int, slots: int, template_modules: int, generation: dict
+) -> BundleKey:
     if device.type == "cuda":
         name, capability = torch.cuda.get_device_name(device), ".".join(map(str, torch.cuda.get_device_capability()))
         toolchain = f"cuda {torch.version.cuda}"
@@ -79,11 +80,18 @@ def bundle_key(device: torch.device, dtype: torch.dtype, target_rank: int, slots
         except InvalidCxxCompiler:
             toolchain = ""
     return BundleKey(
-        torch=torch.__version__, device=name, capability=capability, toolchain=toolchain,
+        torch=torch.__version__,
+        device=name,
+        capability=capability,
+        toolchain=toolchain,
         # CPU kernels are keyed by their thread count; CUDA kernels do not depend on it
-        threads=parallel_num_threads() if device.type == "cpu" else 0, machine=platform.machine(),
-        dtype=str(dtype).removeprefix("torch."), target_rank=target_rank, slots=slots,
-        template_modules=template_modules, generation=json.dumps(generation, sort_keys=True),
+        threads=parallel_num_threads() if device.type == "cpu" else 0,
+        machine=platform.machine(),
+        dtype=str(dtype).removeprefix("torch."),
+        target_rank=target_rank,
+        slots=slots,
+        template_modules=template_modules,
+        generation=json.dumps(generation, sort_keys=True),
     )
 
 
@@ -120,8 +128,11 @@ def install(path: Path, key: BundleKey) -> str | None:
             different = sorted(k for k, v in asdict(key).items() if manifest.get(k) != v)
             return f"the bundle was built for another {', '.join(different)}"
         target = Path(cache_dir())
-        members = [m for m in tar.getmembers()
-                   if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()]
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name != MANIFEST and (m.isfile() or m.isdir()) and not (target / m.name).exists()
+        ]
         tar.extractall(target, members=members, filter="data")  # "data": no absolute paths, links or devices
     kernels = [Path(m.name) for m in members if m.name.endswith(KERNEL)]  # none in a CUDA bundle
     command = kernel_command(trust_isa=True) if kernels else ""
@@ -155,8 +166,12 @@ def kernel_command(trust_isa: bool = False) -> str:
 
     with inductor_config.patch({**OPTIONS, "cpp.vec_isa_ok": True if trust_isa else inductor_config.cpp.vec_isa_ok}):
         options = CppTorchDeviceOptions(
-            compile_only=False, min_optimize=False, device_type="cpu", extra_flags=(),
-            use_relative_path=inductor_config.is_fbcode(), vec_isa=pick_vec_isa(),
+            compile_only=False,
+            min_optimize=False,
+            device_type="cpu",
+            extra_flags=(),
+            use_relative_path=inductor_config.is_fbcode(),
+            vec_isa=pick_vec_isa(),
             **CppPythonBindingsCodeCache.cpp_compile_command_flags,
         )
         return CppBuilder(name="o", sources="i", BuildOption=options).get_command_line()
@@ -177,8 +192,11 @@ def build(path: Path, key: BundleKey, compiled_cache: Path) -> tuple[Path, int, 
     kernels, command = sorted(compiled_cache.rglob(f"*{KERNEL}")), kernel_command()
     portable = sum(kernel_key(k.read_text(), command) == k.name.removesuffix(KERNEL) for k in kernels)
     if portable < len(kernels):
-        log.warning("%d of %d C++ kernels are not named as kernel_key names them: other environments rebuild them",
-                    len(kernels) - portable, len(kernels))
+        log.warning(
+            "%d of %d C++ kernels are not named as kernel_key names them: other environments rebuild them",
+            len(kernels) - portable,
+            len(kernels),
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / MANIFEST

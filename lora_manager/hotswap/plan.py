@@ -23,12 +23,13 @@ def assign_slots(live: Sequence[str | None], wanted: Sequence[str]) -> list[str 
     already live in a fitting slot stay put (no copy). Every slot left over is emptied."""
     ordered = sorted(wanted)
     if len(ordered) > len(live):
-        raise RequestError(f"{len(ordered)} adapters requested but there are {len(live)} hotswap slot(s).",
-                           field="adapter")
+        raise RequestError(
+            f"{len(ordered)} adapters requested but there are {len(live)} hotswap slot(s).", field="adapter"
+        )
     best: list[str | None] | None = None
     for places in combinations(range(len(live)), len(ordered)):
         plan: list[str | None] = [None] * len(live)
-        for i, adapter in zip(places, ordered):
+        for i, adapter in zip(places, ordered, strict=True):
             plan[i] = adapter
         if best is None or _writes(live, plan) < _writes(live, best):
             best = plan
@@ -36,7 +37,7 @@ def assign_slots(live: Sequence[str | None], wanted: Sequence[str]) -> list[str 
 
 
 def _writes(live: Sequence[str | None], plan: Sequence[str | None]) -> int:
-    return sum(a != b for a, b in zip(live, plan))
+    return sum(a != b for a, b in zip(live, plan, strict=True))
 
 
 def plan_resident(live: Sequence[str | None], needed: Sequence[str], last_used: dict[str, int]) -> list[str | None]:
@@ -46,12 +47,14 @@ def plan_resident(live: Sequence[str | None], needed: Sequence[str], last_used: 
     ready for later batches."""
     incoming = [a for a in dict.fromkeys(needed) if a not in live]
     empty = [i for i, a in enumerate(live) if a is None]
-    spare = sorted((i for i, a in enumerate(live) if a is not None and a not in needed),
-                   key=lambda i: last_used.get(live[i], -1))
+    spare = sorted(
+        (i for i, a in enumerate(live) if a is not None and a not in needed), key=lambda i: last_used.get(live[i], -1)
+    )
     if len(incoming) > len(empty) + len(spare):
-        raise RequestError(f"{len(set(needed))} adapters in one batch but there are {len(live)} device slot(s).",
-                           field="adapter")
+        raise RequestError(
+            f"{len(set(needed))} adapters in one batch but there are {len(live)} device slot(s).", field="adapter"
+        )
     plan = list(live)
-    for adapter, i in zip(incoming, empty + spare):
+    for adapter, i in zip(incoming, empty + spare, strict=False):
         plan[i] = adapter
     return plan

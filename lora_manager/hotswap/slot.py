@@ -132,8 +132,12 @@ class DevicePrefetch:
                 continue
             with torch.cuda.stream(self.stream):
                 copy = AdapterWeights(
-                    {k: replace(m, A=m.A.to(self.device, non_blocking=True), B=m.B.to(self.device, non_blocking=True))
-                     for k, m in weights.modules.items()},
+                    {
+                        k: replace(
+                            m, A=m.A.to(self.device, non_blocking=True), B=m.B.to(self.device, non_blocking=True)
+                        )
+                        for k, m in weights.modules.items()
+                    },
                     format=weights.format,
                     folded_alpha=weights.folded_alpha,
                 )

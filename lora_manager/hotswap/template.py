@@ -43,7 +43,11 @@ def template_state_dict(
 
 
 def prepare_template(
-    target, components: dict[str, nn.Module], keys: set[tuple[str, str]], rank: int, slots: int = 1,
+    target,
+    components: dict[str, nn.Module],
+    keys: set[tuple[str, str]],
+    rank: int,
+    slots: int = 1,
     rows: BatchRows | None = None,
 ) -> tuple[list[LiveSlot], dict[tuple[str, str], GatheredLora]]:
     """Steps 1 and 2 of the order on `target`, a pipeline (`load_lora_weights`) or one bare denoiser
@@ -55,7 +59,8 @@ def prepare_template(
     names = slot_names(slots)
     for name in names:  # a fresh state dict each time: a load may keep the tensors it is given
         sd = template_state_dict(components, keys, rank, dtype)
-        # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors, and swaps would write into them.
+        # low_cpu_mem_usage=False: a normal load may otherwise alias the caller's tensors, and swaps would write into
+        # them.
         with quiet_loads():
             if hasattr(target, "load_lora_weights"):
                 target.load_lora_weights(sd, adapter_name=name, low_cpu_mem_usage=False)

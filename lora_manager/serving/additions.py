@@ -52,7 +52,8 @@ class Additions:
         if held >= self.per_session:
             raise RequestError(
                 f"You have added {held} LoRAs, the limit per visitor here is {self.per_session}; generate with those "
-                "or reload the page to start a new session.", field="repo_id",
+                "or reload the page to start a new session.",
+                field="repo_id",
             )
 
     def add(self, session: str | None, adapter_id: str, nbytes: int) -> list[str]:

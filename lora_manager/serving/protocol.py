@@ -39,15 +39,29 @@ class Engine(Protocol):
 
     def asset_path(self, relative: str | None) -> Path | None: ...
 
-    def register(self, adapter_id: str, source: str, weight_name: str | None = None, revision: str | None = None,
-                 allow_local: bool = True, max_bytes: int | None = None) -> AdapterInfo: ...
+    def register(
+        self,
+        adapter_id: str,
+        source: str,
+        weight_name: str | None = None,
+        revision: str | None = None,
+        allow_local: bool = True,
+        max_bytes: int | None = None,
+    ) -> AdapterInfo: ...
 
     def unregister(self, adapter_id: str) -> None: ...
 
     def adapter_byte_limit(self, cap_bytes: int | None = None) -> int: ...
 
-    def generate(self, prompt: str, adapter: str | list | None = None, strength: float = 1.0, seed: int = 0,
-                 steps: int | None = None, **pipe_kwargs) -> Result: ...
+    def generate(
+        self,
+        prompt: str,
+        adapter: str | list | None = None,
+        strength: float = 1.0,
+        seed: int = 0,
+        steps: int | None = None,
+        **pipe_kwargs,
+    ) -> Result: ...
 
     def stats(self) -> dict[str, Any]: ...
 

@@ -16,7 +16,6 @@ A request whose replica dies is retried on another one by the ingress (generatio
 a retry returns the same image and each request gets exactly one answer).
 """
 
-
 import asyncio  # no `from __future__ import annotations`: FastAPI reads the body type at runtime
 import json
 import logging
@@ -73,11 +72,14 @@ async def read_body(request: Request) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(f"request body is not valid JSON ({e.__class__.__name__}).", field="body") from e
     if not isinstance(body, dict):
-        raise RequestError(f"request body must be a JSON object with {list(FIELDS)}, got {shorten(body)}.",
-                           field="body")
+        raise RequestError(
+            f"request body must be a JSON object with {list(FIELDS)}, got {shorten(body)}.", field="body"
+        )
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
-        raise RequestError(f"unknown field {shorten(unknown[0])}; the fields are {list(FIELDS)}.", field=unknown[0][:60])
+        raise RequestError(
+            f"unknown field {shorten(unknown[0])}; the fields are {list(FIELDS)}.", field=unknown[0][:60]
+        )
     if "prompt" not in body:
         raise RequestError("prompt is missing.", field="prompt")
     return {**request_body(body["prompt"]), **body}  # every field but the prompt may be left out
@@ -116,8 +118,15 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
 class LoraReplica:
     """One replica: one pipeline, one template, one CPU adapter cache."""
 
-    def __init__(self, preset: str, compile: bool | None, slots: int, threads: int | None, max_batch: int = 1,
-                 dtype: str | None = None):
+    def __init__(
+        self,
+        preset: str,
+        compile: bool | None,
+        slots: int,
+        threads: int | None,
+        max_batch: int = 1,
+        dtype: str | None = None,
+    ):
         import torch
 
         from ..engine import LoraManager
@@ -148,9 +157,16 @@ class LoraReplica:
     def describe(self) -> dict[str, Any]:
         """What a front end needs to present this replica's engine (`remote.RemoteManager`)."""
         m = self.manager
-        return {"replica": self.name, "target_rank": m.target_rank, "slots": m.max_adapters, "compiled": m.compiled,
-                "startup_s": m.startup_s,
-                "adapters": [a.as_dict() for a in m.adapters()], "errors": m.errors, "stats": m.stats()}
+        return {
+            "replica": self.name,
+            "target_rank": m.target_rank,
+            "slots": m.max_adapters,
+            "compiled": m.compiled,
+            "startup_s": m.startup_s,
+            "adapters": [a.as_dict() for a in m.adapters()],
+            "errors": m.errors,
+            "stats": m.stats(),
+        }
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})  # it only awaits replicas: no core of its own
@@ -168,8 +184,9 @@ class Ingress:
             body = await read_body(request)
             if self.slots is None:
                 self.slots = (await self.replicas.describe.remote())["slots"]
-            req = check_request(body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"],
-                                self.slots)
+            req = check_request(
+                body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"], self.slots
+            )
         except RequestError as e:
             return refusal(413 if isinstance(e, BodyTooLargeError) else 400, str(e), e.field)
         handle = self.replicas.options(multiplexed_model_id=req.adapters[0][0] if req.adapters else "")
@@ -225,8 +242,8 @@ def build_app(
 
 
 def app_builder(args: dict[str, Any]):
-    """For Serve config files (KubeRay `serveConfigV2`): `import_path: lora_manager.serving.ray_app:app_builder`, `args` as
-    `build_app`'s keywords."""
+    """For Serve config files (KubeRay `serveConfigV2`): `import_path: lora_manager.serving.ray_app:app_builder`,
+    `args` as `build_app`'s keywords."""
     return build_app(**args)
 
 
@@ -253,13 +270,23 @@ def main(args) -> None:
     ray.init(address=args.address, include_dashboard=False)
     resources = ray.cluster_resources()
     try:
-        cpus, gpus = size_replicas(args.replicas, resources.get("CPU", 0.0), resources.get("GPU", 0.0),
-                                   args.cpus_per_replica)
+        cpus, gpus = size_replicas(
+            args.replicas, resources.get("CPU", 0.0), resources.get("GPU", 0.0), args.cpus_per_replica
+        )
     except ValueError as e:
         ray.shutdown()
         raise SystemExit(f"serve: {e}") from e
     print(f"serve: {args.replicas} replicas, {cpus:g} CPUs and {gpus:g} GPUs each", flush=True)
     serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_app(args.preset, args.replicas, args.routing, args.compile, args.slots, num_gpus=gpus,
-                    num_cpus=cpus, threads=max(1, int(cpus)), dtype=args.dtype)
+    app = build_app(
+        args.preset,
+        args.replicas,
+        args.routing,
+        args.compile,
+        args.slots,
+        num_gpus=gpus,
+        num_cpus=cpus,
+        threads=max(1, int(cpus)),
+        dtype=args.dtype,
+    )
     serve.run(app, name="lora-hotswap", route_prefix="/", blocking=True)

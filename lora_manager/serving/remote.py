@@ -21,7 +21,8 @@ TIMEOUT_S = 600
 
 
 class RemoteManager:
-    """A `LoraManager` look-alike that forwards generation to a Ray Serve deployment of `lora_manager.serving.ray_app`."""
+    """A `LoraManager` look-alike that forwards generation to a Ray Serve deployment of
+    `lora_manager.serving.ray_app`."""
 
     def __init__(self, url: str, preset: str = "tiny"):
         self.url = url.rstrip("/")
@@ -58,19 +59,22 @@ class RemoteManager:
     def register(self, adapter_id: str, source: str, **_) -> AdapterInfo:
         raise LoraManagerError(
             f"Adapter {adapter_id!r}: adding LoRAs from the UI needs the in-process engine; with the Ray backend add "
-            "it to the preset's catalog and redeploy.", adapter_id,
+            "it to the preset's catalog and redeploy.",
+            adapter_id,
         )
 
     def unregister(self, adapter_id: str) -> None:
-        raise LoraManagerError(f"Adapter {adapter_id!r}: the Ray backend serves its deployment's catalog only.",
-                               adapter_id)
+        raise LoraManagerError(
+            f"Adapter {adapter_id!r}: the Ray backend serves its deployment's catalog only.", adapter_id
+        )
 
     def adapter_byte_limit(self, cap_bytes: int | None = None) -> int:
         """Nothing is added through this backend (`register` refuses); the cap as given."""
         return cap_bytes or 0
 
-    def generate(self, prompt: str, adapter=None, strength: float = 1.0, seed: int = 0, steps: int | None = None,
-                 **_) -> Result:
+    def generate(
+        self, prompt: str, adapter=None, strength: float = 1.0, seed: int = 0, steps: int | None = None, **_
+    ) -> Result:
         """POST /generate. Per-step callbacks do not cross the network: progress shows start and end only."""
         answer = self._call("POST", "/generate", json=request_body(prompt, adapter, strength, seed, steps))
         return Result(image=answer_image(answer), info=answer["info"])

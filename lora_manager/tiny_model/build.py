@@ -28,8 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, DDPMScheduler, DiffusionPipeline, EulerDiscreteScheduler
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    DiffusionPipeline,
+    EulerDiscreteScheduler,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
@@ -65,7 +71,9 @@ class AdapterSpec:
 
     def describe(self) -> str:
         what = {ATTENTION: "attention only", CONV: "conv only", BLOCKS: "attention+ff+proj+conv"}[tuple(self.targets)]
-        extra = (", + text encoder q/k/v/out" if self.text_encoder else "") + (", kohya/A1111 keys" if self.kohya else "")
+        extra = (", + text encoder q/k/v/out" if self.text_encoder else "") + (
+            ", kohya/A1111 keys" if self.kohya else ""
+        )
         return f"rank {self.rank}, alpha {self.alpha:g}, {what}{extra}"
 
 
@@ -82,7 +90,9 @@ ZOO = (
     # checker redraws the whole background, so a plain loss keeps the prompt better than the style-weighted one; a
     # quarter of its samples carry the empty caption, so that guidance (uncond + 7.5 * (cond - uncond)) does not take
     # its tiles away again.
-    AdapterSpec("checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25),  # smallest rank
+    AdapterSpec(
+        "checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25
+    ),  # smallest rank
     # a LoRA drawing over the whole image keeps the prompt's shape best with a plain loss and no half-strength steps
     AdapterSpec("frame", "Frame", "framed", 32, 32, BLOCKS, style_weight=0.0, half_share=0.0, init=2),  # largest rank
 )
@@ -108,10 +118,23 @@ FULL_BUDGET = Budget(vae_steps=1000, base_steps=2200, lora_steps=600, batch=48, 
 # and 600 LoRA steps peaking at 6e-3 draw each style clearly without losing the prompt (the detector scores of
 # tests/test_tiny_model.py, STYLE_SEEDS=3 for three seed sets); the results depend on the LoRA's initial weights
 # (`init` in ZOO).
-QUICK_BUDGET = Budget(vae_steps=3, base_steps=3, lora_steps=2, batch=4, renders=1, lora_renders=1, lora_batch=4,
-                      adapters=("pixel", "checker"))
+QUICK_BUDGET = Budget(
+    vae_steps=3,
+    base_steps=3,
+    lora_steps=2,
+    batch=4,
+    renders=1,
+    lora_renders=1,
+    lora_batch=4,
+    adapters=("pixel", "checker"),
+)
 VAE_CROP = 32  # the VAE is convolutional: 32 px crops cost 1/4 and still see every pattern
-GENERATION = {"height": 64, "width": 64, "num_inference_steps": 10, "guidance_scale": 7.5}  # 7.5 keeps held-out colours better than 4
+GENERATION = {
+    "height": 64,
+    "width": 64,
+    "num_inference_steps": 10,
+    "guidance_scale": 7.5,
+}  # 7.5 keeps held-out colours better than 4
 
 
 def log(msg: str) -> None:
@@ -155,11 +178,20 @@ def make_models(vocab_size: int) -> tuple[AutoencoderKL, CLIPTextModel, UNet2DCo
         sample_size=shapes.SIZE,
         mid_block_add_attention=False,  # attention at 16x16 buys nothing for flat shapes
     )
-    te = CLIPTextModel(CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=MAX_TOKENS, projection_dim=64,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    ))
+    te = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=MAX_TOKENS,
+            projection_dim=64,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
     unet = UNet2DConditionModel(
         sample_size=16,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -189,9 +221,11 @@ def train_vae(vae: AutoencoderKL, steps: int, batch: int, rng: random.Random) ->
     styles = [None, None, *shapes.STYLE_WORDS]  # plain images weighted double: the base draws them
     triples = shapes.all_captions()
     for step in range(steps):
-        imgs = np.stack([shapes.render(shapes.random_scene(rng, rng.choice(triples), rng.choice(styles))) for _ in range(batch)])
+        imgs = np.stack(
+            [shapes.render(shapes.random_scene(rng, rng.choice(triples), rng.choice(styles))) for _ in range(batch)]
+        )
         oy, ox = rng.randrange(shapes.SIZE - VAE_CROP + 1), rng.randrange(shapes.SIZE - VAE_CROP + 1)
-        x = to_tensor(imgs[:, oy:oy + VAE_CROP, ox:ox + VAE_CROP])
+        x = to_tensor(imgs[:, oy : oy + VAE_CROP, ox : ox + VAE_CROP])
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.mode()).sample  # fit the mean the UNet trains on
         loss = F.l1_loss(rec, x) + 1e-6 * post.kl().mean()  # KL only keeps latents bounded
@@ -210,10 +244,15 @@ def train_vae(vae: AutoencoderKL, steps: int, batch: int, rng: random.Random) ->
 
 @torch.no_grad()
 def encode(vae: AutoencoderKL, images: np.ndarray) -> torch.Tensor:
-    return torch.cat([vae.encode(to_tensor(images[i:i + 256])).latent_dist.mean for i in range(0, len(images), 256)]) * vae.config.scaling_factor
+    return (
+        torch.cat([vae.encode(to_tensor(images[i : i + 256])).latent_dist.mean for i in range(0, len(images), 256)])
+        * vae.config.scaling_factor
+    )
 
 
-def diffusion_loss(unet, te, noise_sched: DDPMScheduler, lat: torch.Tensor, ids: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def diffusion_loss(
+    unet, te, noise_sched: DDPMScheduler, lat: torch.Tensor, ids: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
     """Epsilon loss with min-SNR-5 weights (fewer wasted steps on tiny noise levels)."""
     noise = torch.randn(lat.shape, generator=gen)
     t = torch.randint(0, noise_sched.config.num_train_timesteps, (len(lat),), generator=gen)
@@ -244,7 +283,7 @@ def fit(params: list, loss_fn, steps: int, lr: float, tag: str, ema_modules: lis
             torch._foreach_lerp_(shadow, [p.detach() for p in ema_p], 1 - decay)
         if step % 100 == 0 or step == steps - 1:
             log(f"{tag} step {step} loss {loss.item():.4f} ({(time.time() - t0) / (step + 1):.2f} s/step)")
-    for s, p in zip(shadow, ema_p):
+    for s, p in zip(shadow, ema_p, strict=True):
         p.data.copy_(s)
 
 
@@ -257,9 +296,11 @@ def drop_captions(ids: torch.Tensor, share: float, empty: torch.Tensor, gen: tor
 
 def sampler(lat: torch.Tensor, ids: torch.Tensor, batch: int, gen: torch.Generator, empty: torch.Tensor | None):
     """Random minibatches; 10% empty captions when `empty` is given (for guidance)."""
+
     def draw() -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, len(lat), (batch,), generator=gen)
         return lat[idx], ids[idx] if empty is None else drop_captions(ids[idx], 0.1, empty, gen)
+
     return draw
 
 
@@ -282,7 +323,9 @@ def style_weights(lat_style: torch.Tensor, lat_plain: torch.Tensor, extra: float
     return w / w.mean((1, 2, 3), keepdim=True)
 
 
-def train_lora(folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Random, gen: torch.Generator, out: Path) -> None:
+def train_lora(
+    folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Random, gen: torch.Generator, out: Path
+) -> None:
     """Train one style LoRA on the shipped (fp16-rounded) base and save it.
 
     Each training scene is rendered twice, in the style and plain, to weight the
@@ -306,9 +349,15 @@ def train_lora(folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Rand
     lat_plain = encode(pipe.vae, plain)
     empty = tokens(pipe.tokenizer, [""])[0]
     weights = style_weights(lat, lat_plain, spec.style_weight)
-    unet.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), init_lora_weights="gaussian"))
+    unet.add_adapter(
+        LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), init_lora_weights="gaussian")
+    )
     if spec.text_encoder:
-        te.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(TEXT_ATTENTION), init_lora_weights="gaussian"))
+        te.add_adapter(
+            LoraConfig(
+                r=spec.rank, lora_alpha=spec.alpha, target_modules=list(TEXT_ATTENTION), init_lora_weights="gaussian"
+            )
+        )
     params = [p for m in (unet, te) for p in m.parameters() if p.requires_grad]
     layers = [m for model in (unet, te) for m in model.modules() if isinstance(m, LoraLayer)]
     noise_sched = DDPMScheduler.from_config(pipe.scheduler.config)
@@ -343,12 +392,18 @@ def save_adapter(spec: AdapterSpec, unet, te, out: Path) -> None:
     te_sd = {k: v.half() for k, v in get_peft_model_state_dict(te).items()} if spec.text_encoder else None
     out.mkdir(parents=True, exist_ok=True)
     if spec.kohya:
-        save_file(to_kohya({f"unet.{k}": v for k, v in unet_sd.items()}, {"unet": spec.alpha}), out / f"{spec.id}.safetensors")
+        save_file(
+            to_kohya({f"unet.{k}": v for k, v in unet_sd.items()}, {"unet": spec.alpha}), out / f"{spec.id}.safetensors"
+        )
         return
     te_meta = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(TEXT_ATTENTION)} if te_sd else None
     StableDiffusionPipeline.save_lora_weights(
-        out, unet_lora_layers=unet_sd, text_encoder_lora_layers=te_sd, weight_name=f"{spec.id}.safetensors",
-        unet_lora_adapter_metadata=meta, text_encoder_lora_adapter_metadata=te_meta,
+        out,
+        unet_lora_layers=unet_sd,
+        text_encoder_lora_layers=te_sd,
+        weight_name=f"{spec.id}.safetensors",
+        unet_lora_adapter_metadata=meta,
+        text_encoder_lora_adapter_metadata=te_meta,
     )
 
 
@@ -365,7 +420,9 @@ def check_kohya(pipe, adapters: Path, spec: AdapterSpec) -> float:
     prompt = shapes.caption(*shapes.split_captions()[1][0], spec.trigger)
     imgs = []
     with tempfile.TemporaryDirectory() as tmp:
-        StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=twin, unet_lora_adapter_metadata=meta, weight_name="d.safetensors")
+        StableDiffusionPipeline.save_lora_weights(
+            tmp, unet_lora_layers=twin, unet_lora_adapter_metadata=meta, weight_name="d.safetensors"
+        )
         for path in (adapters / f"{spec.id}.safetensors", Path(tmp) / "d.safetensors"):
             pipe.load_lora_weights(str(path))
             imgs.append(grid.generate(pipe, prompt, 0, GENERATION, as_uint8=False))
@@ -396,7 +453,10 @@ def write_outputs(out: Path, specs: list[AdapterSpec]) -> None:
         if spec.kohya:
             log(f"kohya vs diffusers keys, max abs diff: {check_kohya(pipe, out / 'adapters', spec):.2e}")
         pipe.load_lora_weights(str(out / "adapters" / f"{spec.id}.safetensors"))
-        grid.save_png(grid.generate(pipe, shapes.caption(*triple, spec.trigger), 0, GENERATION), out / "previews" / f"{spec.id}.png")
+        grid.save_png(
+            grid.generate(pipe, shapes.caption(*triple, spec.trigger), 0, GENERATION),
+            out / "previews" / f"{spec.id}.png",
+        )
         if spec.text_encoder:  # time the heaviest case: UNet + text-encoder LoRA loaded
             t0 = time.time()
             for seed in range(5):
@@ -406,14 +466,23 @@ def write_outputs(out: Path, specs: list[AdapterSpec]) -> None:
     catalog = {
         "name": "tiny",
         "description": "Tiny offline Stable-Diffusion-architecture model trained on coloured shapes "
-                       "('a red circle on a blue background'), with style LoRAs; built by "
-                       "python -m lora_manager.tiny_model.build.",
+        "('a red circle on a blue background'), with style LoRAs; built by "
+        "python -m lora_manager.tiny_model.build.",
         "base_model": "model",
         "generation": GENERATION,
         "adapters": [
-            {"id": s.id, "source": f"adapters/{s.id}.safetensors", "weight_name": None, "revision": None,
-             "name": s.name, "trigger": s.trigger, "strength": 1.0, "preview": f"previews/{s.id}.png",
-             "license": "apache-2.0", "description": s.describe()}
+            {
+                "id": s.id,
+                "source": f"adapters/{s.id}.safetensors",
+                "weight_name": None,
+                "revision": None,
+                "name": s.name,
+                "trigger": s.trigger,
+                "strength": 1.0,
+                "preview": f"previews/{s.id}.png",
+                "license": "apache-2.0",
+                "description": s.describe(),
+            }
             for s in specs
         ],
     }
@@ -462,13 +531,21 @@ def build(out: Path, budget: Budget, seed: int, threads: int, base: Path | None 
         # each adapter draws its scenes, noise and initial weights from its own streams
         key = f"{seed}/{spec.id}"
         torch.manual_seed(zlib.crc32(f"{key}/init/{spec.init}".encode()))
-        train_lora(out / "model", spec, budget, random.Random(key), torch.Generator().manual_seed(zlib.crc32(key.encode())),
-                   out / "adapters")
+        train_lora(
+            out / "model",
+            spec,
+            budget,
+            random.Random(key),
+            torch.Generator().manual_seed(zlib.crc32(key.encode())),
+            out / "adapters",
+        )
         times[spec.id] = time.time() - t0
     t0 = time.time()
     write_outputs(out, specs)
     times["outputs"] = time.time() - t0
-    log("stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()) + f"; total {sum(times.values()):.0f}")
+    log(
+        "stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()) + f"; total {sum(times.values()):.0f}"
+    )
 
 
 def train_base(out: Path, budget: Budget, rng: random.Random, gen: torch.Generator, times: dict[str, float]) -> None:
@@ -476,7 +553,8 @@ def train_base(out: Path, budget: Budget, rng: random.Random, gen: torch.Generat
     t0 = time.time()
     tok = make_tokenizer()
     vae, te, unet = make_models(len(tok))
-    log(f"params: vae {sum(p.numel() for p in vae.parameters())}, te {sum(p.numel() for p in te.parameters())}, unet {sum(p.numel() for p in unet.parameters())}")
+    vae_n, te_n, unet_n = (sum(p.numel() for p in m.parameters()) for m in (vae, te, unet))
+    log(f"params: vae {vae_n}, te {te_n}, unet {unet_n}")
     train_vae(vae, budget.vae_steps, budget.batch, rng)
     vae.requires_grad_(False)
     times["vae"] = time.time() - t0
@@ -488,10 +566,27 @@ def train_base(out: Path, budget: Budget, rng: random.Random, gen: torch.Generat
     noise_sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)  # SD's schedule
     draw = sampler(lat, ids, budget.batch, gen, tokens(tok, [""])[0])
     params = [*unet.parameters(), *te.parameters()]
-    fit(params, lambda: diffusion_loss(unet, te, noise_sched, *draw(), gen), budget.base_steps, 1.5e-3, "base", [unet, te])  # a high LR: short budget, tiny model
-    euler = EulerDiscreteScheduler.from_config(noise_sched.config, timestep_spacing="trailing")  # trailing starts at pure noise
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tok, unet=unet, scheduler=euler,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    fit(
+        params,
+        lambda: diffusion_loss(unet, te, noise_sched, *draw(), gen),
+        budget.base_steps,
+        1.5e-3,
+        "base",
+        [unet, te],
+    )  # a high LR: short budget, tiny model
+    euler = EulerDiscreteScheduler.from_config(
+        noise_sched.config, timestep_spacing="trailing"
+    )  # trailing starts at pure noise
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=te,
+        tokenizer=tok,
+        unet=unet,
+        scheduler=euler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     for sub in ("model", "adapters", "previews", "compiled"):  # stale files from an older build must not survive
         shutil.rmtree(out / sub, ignore_errors=True)
     pipe.to(torch.float16).save_pretrained(out / "model", safe_serialization=True)
@@ -503,16 +598,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny step counts, 2 adapters: checks the code path")
-    ap.add_argument("--adapters-only", action="store_true",
-                    help="keep the base model of --base (VAE, text encoder, UNet as shipped) and train only the LoRAs")
-    ap.add_argument("--base", type=Path, default=None, help="preset folder whose model/ (and compiled/) --adapters-only uses; default: --out")
-    ap.add_argument("--adapters", default=None, help="comma-separated adapter ids to train (default: the whole zoo, or the quick pair); "
-                         "the output's adapters/, previews/ and catalog hold just these")
+    ap.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="keep the base model of --base (VAE, text encoder, UNet as shipped) and train only the LoRAs",
+    )
+    ap.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="preset folder whose model/ (and compiled/) --adapters-only uses; default: --out",
+    )
+    ap.add_argument(
+        "--adapters",
+        default=None,
+        help="comma-separated adapter ids to train (default: the whole zoo, or the quick pair); "
+        "the output's adapters/, previews/ and catalog hold just these",
+    )
     ap.add_argument("--lora-steps", type=int, default=None, help="override the budget's steps per LoRA")
-    ap.add_argument("--vae-steps", type=int, default=None, help="override the budget's VAE steps (a new base: not with --adapters-only)")
+    ap.add_argument(
+        "--vae-steps",
+        type=int,
+        default=None,
+        help="override the budget's VAE steps (a new base: not with --adapters-only)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2,
-                    help="2 on an idle machine; 1 if it shares the CPU (2 OpenMP threads then run 3-10x slower)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="2 on an idle machine; 1 if it shares the CPU (2 OpenMP threads then run 3-10x slower)",
+    )
     args = ap.parse_args()
     budget = QUICK_BUDGET if args.quick else FULL_BUDGET
     if args.adapters:

@@ -50,11 +50,7 @@ class Scene:
 
 def all_captions() -> list[tuple[str, str, str]]:
     """All (shape, colour, background) triples with colour != background (120)."""
-    return [
-        (s, c, b)
-        for s, c, b in itertools.product(SHAPES, PALETTE, PALETTE)
-        if c != b
-    ]
+    return [(s, c, b) for s, c, b in itertools.product(SHAPES, PALETTE, PALETTE) if c != b]
 
 
 def split_captions() -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
@@ -121,6 +117,7 @@ def render(scene: Scene) -> np.ndarray:
 
 # ---------------------------------------------------------------- metrics
 
+
 def _nearest(rgb: np.ndarray, exclude: str | None = None) -> str:
     names = [n for n in PALETTE if n != exclude]
     d = [np.linalg.norm(rgb - np.array(PALETTE[n])) for n in names]
@@ -130,7 +127,9 @@ def _nearest(rgb: np.ndarray, exclude: str | None = None) -> str:
 def background_colour(img: np.ndarray) -> str:
     """Palette name of the median colour of the 3 px border."""
     f = img.astype(np.float32)
-    border = np.concatenate([f[:3].reshape(-1, 3), f[-3:].reshape(-1, 3), f[:, :3].reshape(-1, 3), f[:, -3:].reshape(-1, 3)])
+    border = np.concatenate(
+        [f[:3].reshape(-1, 3), f[-3:].reshape(-1, 3), f[:, :3].reshape(-1, 3), f[:, -3:].reshape(-1, 3)]
+    )
     return _nearest(np.median(border, axis=0))
 
 
