@@ -63,7 +63,7 @@ def to_uint8(img: np.ndarray) -> np.ndarray:
 def _pipe():
     """One pipeline for the whole module (each test unloads the LoRAs it loads)."""
     torch.set_num_threads(1)  # one thread is several times faster on a shared 2-core CPU
-    p = DiffusionPipeline.from_pretrained(TINY / CATALOG["base_model"], torch_dtype=torch.float32)
+    p = DiffusionPipeline.from_pretrained(TINY / CATALOG["base_model"], dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
     return p
 
@@ -205,7 +205,7 @@ def test_quick_build(tmp_path):
     )
     assert "vae step 3 " in run.stdout  # the last of --vae-steps 4 (the quick budget has 3)
     catalog = json.loads((out / "catalog.json").read_text())
-    p = DiffusionPipeline.from_pretrained(out / catalog["base_model"], torch_dtype=torch.float32)
+    p = DiffusionPipeline.from_pretrained(out / catalog["base_model"], dtype=torch.float32)
     p.set_progress_bar_config(disable=True)
     for a in catalog["adapters"]:
         p.load_lora_weights(str(out / a["source"]))

@@ -337,7 +337,7 @@ def train_lora(
     With `empty_share`, that share of the samples carries the empty caption, so the
     LoRA draws its style for guidance's unconditional pass as it does for the prompt.
     """
-    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
     unet, te = pipe.unet, pipe.text_encoder
     unet.requires_grad_(False)
     te.requires_grad_(False)
@@ -443,7 +443,7 @@ def evaluate(pipe) -> None:
 
 def write_outputs(out: Path, specs: list[AdapterSpec]) -> None:
     """Previews, catalog.json, kohya check, timing and the grid, all from the saved files."""
-    pipe = DiffusionPipeline.from_pretrained(out / "model", torch_dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(out / "model", dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     evaluate(pipe)
     (out / "previews").mkdir(exist_ok=True)

@@ -37,7 +37,7 @@ def make_grid(folder: Path, out: Path, pipe=None) -> None:
     """Rows: two held-out prompts; columns: base, then each adapter with its trigger."""
     catalog = json.loads((folder / "catalog.json").read_text())
     if pipe is None:
-        pipe = DiffusionPipeline.from_pretrained(folder / catalog["base_model"], torch_dtype=torch.float32)
+        pipe = DiffusionPipeline.from_pretrained(folder / catalog["base_model"], dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
     held = shapes.split_captions()[1]
     prompts = [held[0], held[9]]
