@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lora_manager.__main__ import main
+from lora_manager.bench import swaps
 
 SWAP_KEYS = (
     "floor_flat_ms",
@@ -64,3 +66,11 @@ def test_engine_swap_equals_diffusers_hotswap(bench_run):
     assert check["output_max_abs_diff"] <= 1e-5
     assert check["effective_weights_max_abs_diff"] <= 1e-5
     assert check["ok"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_engine_swap_equals_diffusers_hotswap_in_half_precision(dtype):
+    """The same check on the tiny workload in the GPU presets' dtypes: the engine's swaps and diffusers' hotswap leave
+    the same weights and outputs."""
+    check = swaps.engine_matches_hotswap(swaps.tiny_workload(torch.device("cpu"), dtype))
+    assert check["ok"] and check["output_lora_effect"] > 1e-2, check

@@ -184,6 +184,15 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
     }
 
 
+def engine_matches_hotswap(wl: Workload) -> dict:
+    """The engine-vs-hotswap check alone, on two fresh denoisers: for a dtype or device without timing anything."""
+    unet = wl.make_unet()
+    slot = S.prepare_engine(unet, {m for a in wl.primary + wl.mixed for _, m in a.weights.modules}, wl.target_rank)[0]
+    hot_unet = wl.make_unet()
+    S.prepare_hotswap(hot_unet, wl.primary[0], wl.loader, wl.target_rank)
+    return _check(wl, slot, unet, hot_unet)
+
+
 def _check(wl: Workload, slot, unet: nn.Module, hot_unet: nn.Module) -> dict:
     """The same adapters through the engine and through diffusers' hotswap must leave the same effective weights
     (and, at tiny scale, the same denoiser output; `output_lora_effect` shows the adapter really changes it)."""
