@@ -202,7 +202,7 @@ class Space:
     max_adapter_bytes: int | None = None
 
     def adapters(self, session: str) -> list[AdapterInfo]:
-        """The catalog's adapters and the additions this session may use, in registration order."""
+        """The catalog's adapters and the additions this visitor's Gradio session may use, in registration order."""
         return [a for a in self.engine.adapters() if self.additions.may_use(session, a.id)]
 
 

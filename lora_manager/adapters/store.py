@@ -62,7 +62,9 @@ class AdapterStore:
 
     def check_fits(self, adapter_id: str, weights: AdapterWeights) -> None:
         """Raise before anything is evicted if the adapter cannot fit beside the pinned (live) ones."""
-        nbytes = held_bytes(weights, self.pin_memory)
+        self._check_room(adapter_id, held_bytes(weights, self.pin_memory))
+
+    def _check_room(self, adapter_id: str, nbytes: int) -> None:
         pinned = sum(self._held[i] for i in self._pinned if i in self._held and i != adapter_id)
         if nbytes + pinned > self.budget_bytes:
             raise CacheBudgetError(
@@ -74,8 +76,8 @@ class AdapterStore:
 
     def put(self, adapter_id: str, weights: AdapterWeights) -> AdapterWeights:
         """Insert (pinning host memory if asked), evicting least-recently-used unpinned entries to make room."""
-        self.check_fits(adapter_id, weights)
         held = held_bytes(weights, self.pin_memory)
+        self._check_room(adapter_id, held)
         if adapter_id in self._entries:
             self._drop(adapter_id)
         while self.nbytes + held > self.budget_bytes:

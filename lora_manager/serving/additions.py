@@ -2,10 +2,10 @@
 
 By default an addition belongs to the session that added it (Gradio's `session_hash`): only that session lists it
 and may generate with it, as the multi-LoRA explorer Spaces keep a visitor's LoRAs in the visitor's own state. With
-`shared=True` (a private Space) every addition is everyone's. Either way a session adds at most `per_session`, and
-all additions together stay within `max_count` and `max_bytes`: room is made by dropping the least recently used
-additions, those whose sessions have all closed first, so one visitor cannot lock the others out. This object only
-decides; the caller registers and unregisters adapters in the engine.
+`shared=True` (a private Space) every addition is everyone's. Either way each visitor's session adds at most
+`per_session`, and all additions together stay within `max_count` and `max_bytes`: room is made by dropping the least
+recently used additions, those whose sessions have all closed first, so one visitor cannot lock the others out. This
+object only decides; the caller registers and unregisters adapters in the engine.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ class Additions:
         self._closed: set[str] = set()
         self._lock = threading.Lock()
 
-    def __contains__(self, adapter_id: str) -> bool:
-        return adapter_id in self._items
-
     def may_use(self, session: str | None, adapter_id: str) -> bool:
         """Whether `session` may see and use `adapter_id` (any adapter that is not an addition is public)."""
         with self._lock:
@@ -46,7 +43,7 @@ class Additions:
             return item is None or self.shared or session in item.owners
 
     def check_room(self, session: str | None) -> None:
-        """Refuse, with the limit, a session that already holds `per_session` additions."""
+        """Refuse, with the limit, a visitor's session that already holds `per_session` additions."""
         with self._lock:
             held = sum(1 for item in self._items.values() if session in item.owners)
         if held >= self.per_session:
