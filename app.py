@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"app.py: {e}") from e
     manager.startup_s = {"imports": imports_s, **manager.startup_s}
     launch_t0 = time.time()
-    for adapter_id, reason in manager.errors.items():
+    for adapter_id, reason in manager.refused.items():
         print(f"skipped adapter {adapter_id}: {reason}", flush=True)
     additions = Additions(
         per_session=args.additions_per_visitor,

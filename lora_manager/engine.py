@@ -1,57 +1,53 @@
-"""LoraManager: the one object that owns the pipeline, the hotswap template, the CPU cache and the lock."""
+"""LoraManager: the one object that owns the pipeline and its lock, and wires the parts that serve it: the adapter
+registry (adapters/), what the device holds (hotswap/residency.py), the compile lifecycle (hotswap/compiling.py) and
+the scheduler that batches requests."""
 
 from __future__ import annotations
 
 import logging
 import os
-import statistics
 import threading
 import time
+import warnings
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 
-from .adapters.catalog import load_preset, resolve_base_model
-from .adapters.inspection import ATTENTION
-from .adapters.reader import AdapterWeights, read_adapter
-from .adapters.sources import hub_cache_files, is_local_source, remove_files, resolve
+from .adapters.catalog import load_preset, model_names, resolve_base_model
+from .adapters.inspection import attention_keys
+from .adapters.reader import AdapterWeights
+from .adapters.registry import TEMPLATE_MARGIN, AdapterRegistry, RegisteredAdapter, Template, local_spec
 from .adapters.store import AdapterStore
-from .adapters.validate import check_adapter
-from .errors import LoraManagerError, UnknownAdapterError
+from .dtypes import dtype_name, resolve_dtype
+from .errors import LoraManagerError
 from .hotswap import compile_cache
 from .hotswap.aot import AotDenoiser, load_denoiser
-from .hotswap.batched import BatchRows
-from .hotswap.plan import assign_slots, plan_resident
-from .hotswap.slot import DevicePrefetch, LiveSlot, sync
-from .hotswap.template import BATCH_DIM, compile_denoiser, prepare_template
+from .hotswap.compiling import Compilation
+from .hotswap.residency import Residency
 from .quiet import quiet_loads
-from .request_schema import Mix, check_request, shorten
+from .request_schema import Mix, check_request
 from .scheduler import Request, Scheduler
-from .specs import DTYPE_NAMES, AdapterInfo, AdapterSpec, Catalog, Result
+from .specs import AdapterInfo, AdapterSpec, Catalog, Result
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 4 * 2**30  # ~20 SDXL rank-64 LoRAs; the live adapter is always kept
-TEMPLATE_MARGIN = 1.25  # a file's header, alpha tensors and fp32 padding on top of its template-sized tensors
 
 
-@dataclass(frozen=True)
-class _Registered:
-    """A registered adapter: its catalog entry and what its file says (kept even when evicted from RAM)."""
+def _renamed(old: str, new: str) -> property:
+    """A deprecated attribute name that reads `new` (a dotted path) with a warning."""
 
-    spec: AdapterSpec
-    keys: frozenset[tuple[str, str]]
-    rank: int
-    alpha: float
-    nbytes: int
-    has_text_encoder: bool
-    format: str
-    downloaded: frozenset[Path] = frozenset()  # Hub cache files its registration fetched (deleted by `unregister`)
+    def read(self):
+        warnings.warn(f"LoraManager.{old} is renamed `{new}`", DeprecationWarning, stacklevel=2)
+        return attrgetter(new)(self)
+
+    return property(read)
 
 
 class LoraManager:
@@ -87,111 +83,56 @@ class LoraManager:
         compile_bundle: bool = True,
         zero_gpu: bool = False,
     ):
-        if slots < 1 or max_batch < 1:
-            raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
-        mixed = max_batch > 1
-        if zero_gpu and (mixed or compile):
-            raise ValueError(
-                f"On ZeroGPU the engine runs eager with max_batch=1 (got compile={compile}, max_batch="
-                f"{max_batch}): torch.compile is unavailable there, and the move to the GPU worker splits "
-                "the stacked tensors that mixed batches share."
-            )
-        if aot_package is not None and (compile or mixed):
-            raise ValueError(
-                "aot_package replaces torch.compile and serves one request per pipeline call: pass "
-                "compile=False and max_batch=1."
-            )
-        resident = device_slots or (max(slots, max_batch) if mixed else slots)
-        if resident < slots or (not mixed and resident != slots):
-            raise ValueError(
-                f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only "
-                f"with max_batch > 1."
-            )
-        if compile is None:  # auto: compile on CUDA (see the class docstring for why not on the CPU)
-            compile = aot_package is None and pipe.device.type == "cuda" and not zero_gpu
-        no_compiler = compile_cache.missing_compiler(pipe.device) if compile else None
-        if no_compiler:
-            raise LoraManagerError(f"{no_compiler}. Install one, or run eager (compile=False, app: --no-compile).")
-        t0 = time.perf_counter()
-        # seconds per start-up phase, in order (from_preset adds the pipeline load, the app its imports)
-        self.startup_s: dict[str, float] = {}
-        self.pipe = pipe
+        resident, compile = _check_layout(pipe.device, slots, max_batch, device_slots, compile, aot_package, zero_gpu)
+        self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order (from_preset adds the load)
+        self.pipe, self._lock, self.max_batch = pipe, threading.RLock(), max_batch
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
-        self._root = Path(catalog_root) if catalog_root else None
-        self.base_model = resolve_base_model(self.catalog, self._root) if self._root else self.catalog.base_model
-        # as a user knows it: a Hub id, or the preset's own folder by its catalog-relative name (never a server path)
-        local = self.base_model != self.catalog.base_model
-        self.model_name = f"{self.catalog.name}/{self.catalog.base_model}" if local else self.catalog.base_model
+        self.catalog_root = Path(catalog_root) if catalog_root else None  # previews and compile bundles live here
+        self.base_model, self.model_name = model_names(self.catalog, self.catalog_root)
         self.generation_defaults = dict(self.catalog.generation)
-        self._lock = threading.RLock()
         self.components = {
             n: getattr(pipe, n) for n in pipe._lora_loadable_modules if getattr(pipe, n, None) is not None
         }
         self.denoiser_name = "transformer" if "transformer" in self.components else "unet"
         self.dtype = self.components[self.denoiser_name].dtype
         # page-locked host memory makes host-to-GPU copies async; ZeroGPU's main process must not touch CUDA at all
-        self.store = AdapterStore(
-            cache_bytes, pin_memory=pipe.device.type == "cuda" and not zero_gpu, on_evict=lambda _, w: self._forget(w)
-        )
-        self._registered: dict[str, _Registered] = {}
-        self.errors: dict[str, str] = {}  # catalog adapters refused at start-up, with their reason
-        self._live: list[str | None] = [None] * resident  # the adapter id each device slot holds
-        self._last_used: dict[str, int] = {}  # adapter id -> the batch that last needed it (evict the oldest)
-        self._batches = 0
-        self._swap_ms: list[float] = []
-        self.compile_s: float | None = None
-        self._recompiles = 0
-        self._warm = False
-        self.max_batch = max_batch
-        self._rows = BatchRows(max_batch, slots, pipe.device) if mixed else None
-        self._prefetch = DevicePrefetch(pipe.device, resident) if mixed and pipe.device.type == "cuda" else None
-
-        staged = {}
-        for spec in self.catalog.adapters:
-            try:
-                staged[spec.id] = self._read(spec, allow_local=True, template=None, target_rank=None)
-            except LoraManagerError as e:
-                self.errors[spec.id] = str(e)
-                log.warning("catalog adapter refused: %s", e)
-        self.startup_s["adapter_reads"] = time.perf_counter() - t0
-        self.target_rank = (
-            target_rank or self.catalog.target_rank or max((w.rank for _, w in staged.values()), default=8)
-        )
-        for adapter_id, (_reg, weights) in list(staged.items()):
-            if weights.rank > self.target_rank:
-                self.errors[adapter_id] = (
-                    f"Adapter {adapter_id!r}: rank {weights.rank} > target_rank {self.target_rank}; "
-                    f"restart with --target-rank {weights.rank}."
-                )
-                del staged[adapter_id]
-        keys = set().union(*(reg.keys for reg, _ in staged.values())) or self._default_keys()
-        self.device_slots, self._gathered = prepare_template(
-            pipe, self.components, keys, self.target_rank, resident, self._rows
-        )
-        self.slots: list[LiveSlot] = self.device_slots[:slots]  # a request combines up to len(slots) adapters
-        for adapter_id, (reg, weights) in staged.items():
-            self._registered[adapter_id] = reg
-            self.store.put(adapter_id, weights)
-        self.scheduler = Scheduler(
-            self._run_batch,
-            lambda: frozenset(filter(None, self._live)),
-            max_queue=max_queue,
-            max_batch=max_batch,
-            capacity=resident,
-        )
-        self.compiled = compile
-        self.compile_source = "eager"
-        self._cache_counts = (0, 0)  # inductor FX graph cache (hits, misses) while this engine compiled
-        self._built_kernels = 0  # C++ kernels inductor built meanwhile (CPU)
-        self.startup_s["template"] = time.perf_counter() - t0 - sum(self.startup_s.values())
-        self.aot: AotDenoiser | None = None
+        pinned = pipe.device.type == "cuda" and not zero_gpu
+        self.store = AdapterStore(cache_bytes, pinned, on_evict=lambda _, w: self.residency.forget(w))
+        self.registry = AdapterRegistry(self.store, type(pipe), self.components, self.dtype, self.catalog_root)
+        with _timed(self.startup_s, "adapter_reads"):
+            staged = self.registry.read_catalog(self.catalog.adapters)
+        with _timed(self.startup_s, "template"):
+            self._build_template(staged, target_rank, slots, resident)
+            self.scheduler = Scheduler(
+                self._run_batch, self.residency.live, max_queue=max_queue, max_batch=max_batch, capacity=resident
+            )
+        generation = {**self.generation_defaults, "max_batch": max_batch}
+        self.compilation = Compilation(pipe, self.components[self.denoiser_name], self.residency.rows, generation)
+        self.compiled, self.aot = bool(compile), None
+        self.residency.fixed_shapes = self.compiled  # compiled graphs keep the template rank: fixed shapes
         if compile:
-            self.compile_source = self._compile(compile_kwargs or {}, compile_bundle)  # adds its phases to startup_s
+            key = self.compile_key  # once: on the CPU it asks the C++ compiler for its version
+            bundle = compile_cache.bundle_path(self.catalog_root, key) if self.catalog_root else None
+            self.compilation.compile(key, bundle, compile_bundle, compile_kwargs or {}, self.startup_s)
         elif aot_package is not None:  # the denoiser runs an AOTInductor package bound to the template's tensors
-            self.aot = load_denoiser(pipe, aot_package)
-            self.compiled, self.compile_source = True, f"AOTInductor package ({Path(aot_package).name})"
-            self.startup_s["aot_load"] = time.perf_counter() - t0 - sum(self.startup_s.values())
+            with _timed(self.startup_s, "aot_load"):
+                self.aot: AotDenoiser | None = load_denoiser(pipe, aot_package)
+            self.compiled, self.compilation.source = True, f"AOTInductor package ({Path(aot_package).name})"
         _OPEN.add(self)
+
+    def _build_template(
+        self, staged: dict[str, tuple[RegisteredAdapter, AdapterWeights]], target_rank, slots: int, resident: int
+    ) -> None:
+        """Size the template's rank (the largest catalog adapter's unless given), load it over the union of the
+        catalog adapters' modules (the denoiser's attention without any), and admit the catalog adapters it holds."""
+        ranks = [w.rank for _, w in staged.values()]
+        self.target_rank = target_rank or self.catalog.target_rank or max(ranks, default=8)
+        keys = set().union(*(reg.keys for reg, w in staged.values() if w.rank <= self.target_rank))
+        keys = keys or attention_keys(self.components[self.denoiser_name], self.denoiser_name)
+        args = (self.target_rank, slots, resident, self.max_batch, self.registry)
+        self.residency = Residency(self.pipe, self.components, keys, *args)
+        self.registry.template = Template(self.residency.template_keys, self.target_rank)
+        self.registry.admit_catalog(staged)
 
     def close(self) -> None:
         """Stop the scheduler's worker (queued requests fail with EngineClosedError); the pipeline stays usable."""
@@ -222,15 +163,8 @@ class LoraManager:
             dtype: a `torch.dtype` or its name ("float16", "bfloat16", "float32"); None is the catalog's dtype on a
                 CUDA device (`"cuda"`, `"cuda:1"`) and float32 on the CPU.
         """
-        from diffusers import DiffusionPipeline
-
         t0 = time.perf_counter()
-        catalog, root = load_preset(name)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = resolve_dtype(dtype, catalog.torch_dtype, device)
-        with quiet_loads():
-            pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
-        pipe.set_progress_bar_config(disable=True)
+        pipe, catalog, root = load_pipeline(name, device, dtype)
         loaded = time.perf_counter() - t0
         manager = cls(pipe, catalog, compile=compile, catalog_root=root, **kwargs)
         manager.startup_s = {"pipeline_load": loaded, **manager.startup_s}
@@ -259,64 +193,45 @@ class LoraManager:
                 (`adapter_byte_limit()` is what the template can hold). What a refused Hub file downloaded is
                 removed from the Hub cache again, unless it was cached before.
         """
-        if allow_local and is_local_source(source):  # a path the caller typed is relative to their working directory
-            source = str(Path(source).expanduser().absolute())
-        spec = AdapterSpec(id=adapter_id, source=source, weight_name=weight_name, revision=revision, **spec_fields)
-        known = self._registered.get(adapter_id)
-        if known is not None and (known.spec.source, known.spec.weight_name) != (source, weight_name):
-            raise LoraManagerError(f"Adapter id {adapter_id!r} is already used for {known.spec.source!r}.", adapter_id)
-        cached = hub_cache_files(source)
-        try:
-            reg, weights = self._read(
-                spec, allow_local, template=self.slots[0].keys, target_rank=self.target_rank, max_bytes=max_bytes
-            )
-        except BaseException:
-            remove_files(hub_cache_files(source) - cached)
-            raise
-        downloaded = frozenset(hub_cache_files(source) - cached) | (known.downloaded if known else frozenset())
-        with self._lock:
-            self.store.put(adapter_id, weights)
-            self._registered[adapter_id] = replace(reg, downloaded=downloaded)
-            self.errors.pop(adapter_id, None)
-        return self._info(adapter_id)
+        spec = local_spec(adapter_id, source, allow_local, weight_name=weight_name, revision=revision, **spec_fields)
+        self.registry.register(spec, allow_local, max_bytes, self._lock)
+        return self.info(adapter_id)
 
     def unregister(self, adapter_id: str) -> None:
         """Forget an adapter: no request can name it any more, its CPU-cache entry goes (once it is not live), and
         the Hub cache files its registration downloaded are deleted unless another adapter reads the same file."""
         with self._lock:
-            reg = self._require(adapter_id)
-            del self._registered[adapter_id]
-            if adapter_id not in self._live:
-                self.store.discard(adapter_id)
-            shared = {(r.spec.source, r.spec.weight_name, r.spec.revision) for r in self._registered.values()}
-            if (reg.spec.source, reg.spec.weight_name, reg.spec.revision) not in shared:
-                remove_files(set(reg.downloaded))
+            self.registry.unregister(adapter_id, self.residency.live())
 
     def adapter_byte_limit(self, cap_bytes: int | None = None) -> int:
         """The largest adapter file worth fetching: what the template could hold (rank `target_rank` on every module
         of its union, text encoder included, 4 bytes a value), with room for the file's header and alphas, or
         `cap_bytes` if smaller."""
-        values = sum(m.A.numel() + m.B.numel() for m in self.slots[0].modules.values())
-        limit = int(values * 4 * TEMPLATE_MARGIN) + 2**20
+        limit = int(self.residency.values_per_adapter() * 4 * TEMPLATE_MARGIN) + 2**20
         return min(limit, cap_bytes) if cap_bytes is not None else limit
 
     def adapters(self) -> list[AdapterInfo]:
         with self._lock:
-            return [self._info(i) for i in self._registered]
+            live = self.residency.live()
+            return [self.registry.info(i, live) for i in self.registry.ids()]
 
     def info(self, adapter_id: str) -> AdapterInfo:
         with self._lock:
-            self._require(adapter_id)
-            return self._info(adapter_id)
+            return self.registry.info(adapter_id, self.residency.live())
 
     def spec(self, adapter_id: str) -> AdapterSpec:
-        return self._require(adapter_id).spec
+        return self.registry.require(adapter_id).spec
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Catalog adapters refused at start-up, with their reason."""
+        return self.registry.refused
 
     def asset_path(self, relative: str | None) -> Path | None:
         """A catalog file (e.g. a preview image) resolved against the catalog's folder; None if absent."""
-        if not relative or self._root is None:
+        if not relative or self.catalog_root is None:
             return None
-        path = self._root / relative
+        path = self.catalog_root / relative
         return path if path.is_file() else None
 
     # ---- generation -----------------------------------------------------------------------------------------------
@@ -345,348 +260,139 @@ class LoraManager:
         **pipe_kwargs,
     ) -> Future:
         """Queue a request and return a Future of its Result; raises QueueFullError when the queue is full."""
-        req = check_request(prompt, adapter, strength, seed, steps, len(self.slots))
+        req = check_request(prompt, adapter, strength, seed, steps, self.max_adapters)
         for adapter_id, _ in req.adapters:
-            self._require(adapter_id)
+            self.registry.require(adapter_id)
         params = {**self.generation_defaults, **pipe_kwargs}
         if req.steps is not None:
             params["num_inference_steps"] = req.steps
         return self.scheduler.submit(Request(req.prompt, req.adapters, req.seed, params))
 
     def _run_batch(self, requests: list[Request]) -> list[Result | BaseException]:
-        """Run queued requests as one pipeline call (the scheduler's worker calls this, one batch at a time): with one
-        request at a time its adapters go into the slots; in a mixed batch each row picks its own device slots, and
-        an adapter refused on its way in fails only the requests that named it."""
-        first = requests[0]
+        """Run queued requests as one pipeline call (the scheduler's worker calls this, one batch at a time): their
+        adapters become resident (`Residency.make_resident`), and an adapter refused on its way in fails only the
+        requests that named it."""
         with self._lock:
-            if self._rows is None:
-                swap_ms, refused = self._activate(first.adapters), {}
-            else:
-                swap_ms, refused = self._activate_rows(requests)
-            runnable = [r for r in requests if not refused.keys() & r.adapter_ids]
+            swap = self.residency.make_resident([r.adapters for r in requests])
+            runnable = [r for r in requests if swap.runs(r.adapter_ids)]
             images, generate_ms = self._call(runnable) if runnable else ([], 0.0)
             recompiles = self.recompiles
-        shared = {k: v for k, v in first.params.items() if isinstance(v, (int, float, str, bool, type(None)))}
-        results = iter(images)
+        shared = {k: v for k, v in requests[0].params.items() if isinstance(v, (int, float, str, bool, type(None)))}
+        run = {"swap_ms": swap.ms, "generate_ms": generate_ms, "batch_size": len(runnable)}
+        run |= {"compiled": self.compiled, "dtype": self.dtype_name, "recompiles": recompiles}
+        images = iter(images)
         return [
-            refused[min(refused.keys() & r.adapter_ids)]
-            if refused.keys() & r.adapter_ids
-            else Result(
-                image=next(results),
-                info={
-                    **_describe(r.adapters),
-                    "seed": r.seed,
-                    "prompt": r.prompt,
-                    "prompt_truncated": self._truncated(r.prompt),
-                    **shared,
-                    "swap_ms": swap_ms,
-                    "generate_ms": generate_ms,
-                    "batch_size": len(runnable),
-                    "compiled": self.compiled,
-                    "dtype": self.dtype_name,
-                    "recompiles": recompiles,
-                    "base_model": self.model_name,
-                },
-            )
+            self._result(r, next(images), shared | run) if swap.runs(r.adapter_ids) else swap.error(r.adapter_ids)
             for r in requests
         ]
+
+    def _result(self, request: Request, image, run: dict[str, Any]) -> Result:
+        info = {**_describe(request.adapters), "seed": request.seed, "prompt": request.prompt}
+        info["prompt_truncated"] = _truncated(self.pipe, request.prompt)
+        return Result(image=image, info={**info, **run, "base_model": self.model_name})
 
     def _call(self, requests: list[Request]) -> tuple[list, float]:
         """One pipeline call for `requests` (same params). Counts graphs compiled during the call as recompiles."""
         prompts = [r.prompt for r in requests]
         generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
         single = len(requests) == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
-        if self._prefetch is not None:
-            self._stage_upcoming()
-        graphs = counters["stats"]["unique_graphs"]
+        self.residency.stage(self.scheduler.upcoming())
         t0 = time.perf_counter()
-        images = self.pipe(
-            prompts[0] if single else prompts, generator=generators[0] if single else generators, **requests[0].params
-        ).images
-        generate_ms = (time.perf_counter() - t0) * 1e3
-        if self._warm:
-            self._recompiles += counters["stats"]["unique_graphs"] - graphs
-        return images, generate_ms
+        prompt, generator = (prompts[0], generators[0]) if single else (prompts, generators)
+        with self.compilation.counting():
+            images = self.pipe(prompt, generator=generator, **requests[0].params).images
+        return images, (time.perf_counter() - t0) * 1e3
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {
-                "live": list(self._live),
-                "swaps": len(self._swap_ms),
-                "swap_ms_last": self._swap_ms[-1] if self._swap_ms else None,
-                "swap_ms_median": statistics.median(self._swap_ms) if self._swap_ms else None,
-                "compiled": self.compiled,
-                "dtype": self.dtype_name,
-                "compile_s": self.compile_s,
-                "compile_source": self.compile_source,
-                "compile_cache_hits": self._cache_counts[0],
-                "compile_cache_misses": self._cache_counts[1],
-                "compile_built_kernels": self._built_kernels,
-                "recompiles": self.recompiles,
-                "target_rank": self.target_rank,
-                "slots": len(self.slots),
-                "device_slots": len(self.device_slots),
-                "max_batch": self.max_batch,
-                "batches": self.scheduler.stats.batches,
-                "template_modules": len(self.slots[0].modules),
-                "cache_entries": len(self.store.entries()),
-                "cache_bytes": self.store.nbytes,
-                "cache_budget_bytes": self.store.budget_bytes,
-                "cache_hits": self.store.stats.hits,
-                "cache_misses": self.store.stats.misses,
-                "cache_evictions": self.store.stats.evictions,
-                "queued": self.scheduler.pending(),
-                "adapter_changes": self.scheduler.stats.adapter_changes,
-                "max_wait_s": self.scheduler.stats.max_wait_s,
-                "wait_p50_s": self.scheduler.stats.wait_percentile(50),
-                "wait_p95_s": self.scheduler.stats.wait_percentile(95),
-            }
+            engine = {"compiled": self.compiled, "dtype": self.dtype_name, "target_rank": self.target_rank}
+            engine["max_batch"] = self.max_batch
+            parts = (self.residency, self.compilation, self.store, self.scheduler)
+            return engine | {k: v for part in parts for k, v in part.report().items()}
 
     @property
     def recompiles(self) -> int:
         """Graphs compiled during this engine's generations after its warm-up compile."""
-        return self._recompiles
-
-    # ---- internals (callers hold the lock where model state is touched) -------------------------------------------
-
-    def _activate(self, mix: Mix) -> float:
-        """Make exactly `mix` live, each adapter at its strength. Every read and check runs before the first write,
-        so a refused adapter leaves every slot as it was."""
-        wanted = dict(mix)
-        before = set(filter(None, self._live))
-        targets = assign_slots(self._live, list(wanted))
-        # every adapter that lands in a slot it is not in yet, including live ones that move to keep id order
-        incoming = list(
-            dict.fromkeys(a for a, held in zip(targets, self._live, strict=True) if a is not None and a != held)
-        )
-        fetched: dict[str, AdapterWeights] = {}
-        try:
-            for adapter_id in incoming:
-                fetched[adapter_id] = self._weights(adapter_id)
-                self.store.pin(adapter_id)  # so fetching the next one cannot evict it
-        except BaseException:
-            for adapter_id in fetched:
-                if adapter_id not in before:
-                    self.store.unpin(adapter_id)
-            raise
-        t0, swapped = time.perf_counter(), False
-        for i, (slot, old, new) in enumerate(zip(self.slots, self._live, targets, strict=True)):
-            if new == old:
-                if new is not None and wanted[new] != slot.strength:
-                    slot.set_strength(wanted[new])
-                continue
-            slot.load(fetched.get(new), wanted.get(new, 0.0))
-            self._live[i], swapped = new, True
-        for adapter_id in before - set(targets):
-            self.store.unpin(adapter_id)
-        return self._swapped(t0) if swapped else 0.0
-
-    def _activate_rows(self, requests: list[Request]) -> tuple[float, dict[str, Exception]]:
-        """Make every adapter of a mixed batch resident, then write each row's picks. Every incoming adapter is read
-        and checked before the first write; one that is refused (returned with its error) changes nothing and the
-        rest of the batch runs. Resident adapters the batch does not need stay unless their slot is wanted."""
-        needed = list(dict.fromkeys(a for r in requests for a, _ in r.adapters))
-        before = set(filter(None, self._live))
-        fetched: dict[str, AdapterWeights] = {}
-        refused: dict[str, Exception] = {}
-        try:
-            for adapter_id in (a for a in needed if a not in before):
-                try:
-                    fetched[adapter_id] = self._weights(adapter_id)
-                except Exception as e:  # noqa: BLE001 - the error is this adapter's requests' answer
-                    refused[adapter_id] = e
-                    continue
-                self.store.pin(adapter_id)  # so fetching the next one cannot evict it
-        except BaseException:
-            for adapter_id in fetched:
-                self.store.unpin(adapter_id)
-            raise
-        needed = [a for a in needed if a not in refused]
-        targets = plan_resident(self._live, needed, self._last_used)
-        t0 = time.perf_counter()
-        for i, (slot, old, new) in enumerate(zip(self.device_slots, self._live, targets, strict=True)):
-            if new != old:
-                staged = self._prefetch.take(new, fetched[new]) if self._prefetch is not None else None
-                slot.load(fetched[new], 1.0, staged)
-                self._live[i] = new
-        for adapter_id in before - set(targets):
-            self.store.unpin(adapter_id)
-        ms = self._swapped(t0) if fetched else 0.0
-        if not self.compiled:  # compiled graphs keep the template rank: fixed shapes
-            self._fit_ranks()
-        self._batches += 1
-        self._last_used.update(dict.fromkeys(needed, self._batches))
-        slot_of = {a: i for i, a in enumerate(self._live) if a is not None}
-        rows = [
-            [(slot_of[a], s) for a, s in sorted(r.adapters)] for r in requests if not refused.keys() & r.adapter_ids
-        ]
-        if rows:
-            self._rows.write(rows)
-        return ms, refused
-
-    def _swapped(self, t0: float) -> float:
-        """Wait once for the copies of every slot a swap loaded; record and return the swap's milliseconds."""
-        sync(self.pipe.device)
-        ms = (time.perf_counter() - t0) * 1e3
-        self._swap_ms.append(ms)
-        return ms
-
-    def _fit_ranks(self) -> None:
-        """Eager: each layer computes only up to the highest rank a resident adapter has there (the columns above
-        are zero in every slot, so the result is the same), and skips itself where none has weights."""
-        held = [slot.weights.modules for slot in self.device_slots if slot.weights is not None]
-        for key, layer in self._gathered.items():
-            layer.rank = max((modules[key].rank for modules in held if key in modules), default=0)
-
-    def _stage_upcoming(self) -> None:
-        """CUDA: start copying the adapters queued requests need and the device does not hold (pinned host memory,
-        side stream), while this batch runs."""
-        wanted = {}
-        for adapter_id in self.scheduler.upcoming():
-            if adapter_id not in self._live and adapter_id in self.store:
-                wanted[adapter_id] = self.store.get(adapter_id)
-        self._prefetch.stage(wanted)
-
-    def _forget(self, weights: AdapterWeights) -> None:
-        for slot in self.device_slots:
-            slot.forget(weights)
-
-    def _weights(self, adapter_id: str) -> AdapterWeights:
-        """From the CPU cache, or re-read from disk (and re-checked: the file may have changed) after an eviction."""
-        reg = self._require(adapter_id)
-        weights = self.store.get(adapter_id)
-        if weights is None:
-            _, weights = self._read(reg.spec, True, template=self.slots[0].keys, target_rank=self.target_rank)
-            weights = self.store.put(adapter_id, weights)
-        return weights
-
-    def _read(
-        self, spec: AdapterSpec, allow_local: bool, template, target_rank, max_bytes: int | None = None
-    ) -> tuple[_Registered, AdapterWeights]:
-        path = resolve(spec.source, spec.id, spec.weight_name, spec.revision, allow_local, self._root, max_bytes)
-        weights = read_adapter(path, spec.id, type(self.pipe), self.components, self.dtype)
-        self.store.check_fits(spec.id, weights)
-        check_adapter(spec.id, weights, self.components, template, target_rank)
-        reg = _Registered(
-            spec=spec,
-            keys=frozenset(weights.modules),
-            rank=weights.rank,
-            alpha=weights.alpha,
-            nbytes=weights.nbytes,
-            has_text_encoder=weights.has_text_encoder,
-            format=weights.format,
-        )
-        return reg, weights
-
-    def _truncated(self, prompt: str) -> bool:
-        """Whether the tokenizer cuts the prompt (CLIP keeps 77 tokens; the tiny model 12): the user is told."""
-        tokenizer = getattr(self.pipe, "tokenizer", None)
-        return tokenizer is not None and len(tokenizer(prompt).input_ids) > tokenizer.model_max_length
-
-    def _require(self, adapter_id: str) -> _Registered:
-        reg = self._registered.get(adapter_id)
-        if reg is None:
-            reason = self.errors.get(adapter_id)
-            raise UnknownAdapterError(
-                reason or f"Unknown adapter {shorten(adapter_id)}; registered: {sorted(self._registered)}.", adapter_id
-            )
-        return reg
-
-    def _info(self, adapter_id: str) -> AdapterInfo:
-        reg = self._registered[adapter_id]
-        status = "active" if adapter_id in self._live else "cached" if adapter_id in self.store else "evicted"
-        return AdapterInfo(
-            id=adapter_id,
-            source=reg.spec.source,
-            rank=reg.rank,
-            alpha=reg.alpha,
-            num_modules=len(reg.keys),
-            bytes=reg.nbytes,
-            has_text_encoder=reg.has_text_encoder,
-            format=reg.format,
-            status=status,
-            spec=reg.spec,
-        )
-
-    def _default_keys(self) -> set[tuple[str, str]]:
-        """The template when the catalog is empty: the denoiser's attention projections."""
-        model = self.components[self.denoiser_name]
-        return {(self.denoiser_name, n) for n, _ in model.named_modules() if n.endswith(ATTENTION)}
+        return self.compilation.recompiles
 
     @property
-    def dtype_name(self) -> str:
-        """The pipeline's dtype as users write it ("float16")."""
-        return str(self.dtype).removeprefix("torch.")
+    def compile_s(self) -> float | None:
+        """Seconds the warm-up generations took, compiling included (None: not compiled at start)."""
+        return self.compilation.compile_s
 
     @property
-    def max_adapters(self) -> int:
-        """How many adapters one request may combine: the hotswap slots."""
-        return len(self.slots)
-
-    @property
-    def catalog_root(self) -> Path | None:
-        """The catalog's folder (a preset's own), where its previews and compile bundles live."""
-        return self._root
+    def compile_source(self) -> str:
+        """ "eager", or where the compiled graphs came from."""
+        return self.compilation.source
 
     @property
     def compile_key(self) -> compile_cache.BundleKey:
         """What this engine's compiled graphs depend on beyond the code: which compile bundle fits it."""
+        slots, modules = len(self.residency.slots), len(self.registry.template.keys)
         generation = {**self.generation_defaults, "max_batch": self.max_batch}
-        return compile_cache.bundle_key(
-            self.pipe.device,
-            self.dtype,
-            self.target_rank,
-            len(self.device_slots),
-            len(self.slots[0].modules),
-            generation,
+        return compile_cache.bundle_key(self.pipe.device, self.dtype, self.target_rank, slots, modules, generation)
+
+    @property
+    def dtype_name(self) -> str:
+        """The pipeline's dtype as users write it ("float16")."""
+        return dtype_name(self.dtype)
+
+    @property
+    def max_adapters(self) -> int:
+        """How many adapters one request may combine: the hotswap slots."""
+        return len(self.residency.mix_slots)
+
+    # deprecated names, kept for one release
+    errors = _renamed("errors", "refused")
+    slots = _renamed("slots", "residency.mix_slots")
+    device_slots = _renamed("device_slots", "residency.slots")
+
+
+def load_pipeline(
+    name: str, device: str | None = None, dtype: torch.dtype | str | None = None
+) -> tuple[Any, Catalog, Path]:
+    """A preset's (or catalog file's) base pipeline on `device` in `dtype` (see `LoraManager.from_preset`), with the
+    catalog and its folder."""
+    from diffusers import DiffusionPipeline
+
+    catalog, root = load_preset(name)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(dtype, catalog.torch_dtype, device)
+    with quiet_loads():
+        pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, catalog, root
+
+
+def _check_layout(
+    device: torch.device, slots: int, max_batch: int, device_slots: int | None, compile, aot_package, zero_gpu: bool
+) -> tuple[int, bool]:
+    """Check the engine's layout arguments together; returns how many adapters stay resident on the device, and
+    whether to compile (`compile=None`: on CUDA only; see the class docstring for why not on the CPU)."""
+    if slots < 1 or max_batch < 1:
+        raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
+    mixed = max_batch > 1
+    if zero_gpu and (mixed or compile):
+        raise ValueError(
+            f"On ZeroGPU the engine runs eager with max_batch=1 (got compile={compile}, max_batch="
+            f"{max_batch}): torch.compile is unavailable there, and the move to the GPU worker splits "
+            "the stacked tensors that mixed batches share."
         )
-
-    def _compile(self, compile_kwargs: dict[str, Any], use_bundle: bool) -> str:
-        """Install the preset's compile bundle where one fits (unless `use_bundle` is False: compile from nothing, what
-        `compile-cache` packs), then compile and warm up; says which it was."""
-        t0 = time.perf_counter()
-        key = self.compile_key  # once: on the CPU it asks the C++ compiler for its version
-        path = compile_cache.bundle_path(self._root, key) if self._root else None
-        if not use_bundle:
-            skipped = "compile_bundle=False"
-        else:
-            skipped = compile_cache.install(path, key) if path else "the catalog has no folder"
-        self.startup_s["compile_artifacts"] = time.perf_counter() - t0
-        if skipped is None and "mode" not in compile_kwargs:  # torch.compile takes `mode` or `options`, not both
-            options = {**compile_kwargs.get("options", {}), **compile_cache.OPTIONS}
-            compile_kwargs = {**compile_kwargs, "options": options}
-        before, kernels = compile_cache.cache_counts(), compile_cache.built_kernels()
-        compile_denoiser(self.components[self.denoiser_name], **compile_kwargs)
-        # batch sizes 1..B share one graph, dynamic in the batch dimension (unless the caller chose `dynamic`)
-        batch_dim = BATCH_DIM if self.max_batch > 1 and "dynamic" not in compile_kwargs else ""
-        with torch.compiler.config.patch(dynamic_sources=batch_dim):
-            self._warm_up()
-        self._cache_counts = tuple(n - b for n, b in zip(compile_cache.cache_counts(), before, strict=True))
-        self._built_kernels = compile_cache.built_kernels() - kernels
-        if skipped is None and self._cache_counts[1] == 0:
-            built = f", {self._built_kernels} C++ kernel(s) built" if self._built_kernels else ""
-            return f"artifacts ({path.name}): no graph compiled{built}"
-        why = skipped or f"{self._cache_counts[1]} graph(s) were not in {path.name}"
-        log.info("compiled the denoiser: %s", why)
-        return f"compiled ({why})"
-
-    def _warm_up(self) -> None:
-        """Compile now with one short generation per batch size, so no request pays for it (nor recompiles): the
-        first compiles the graph (start-up phase "compile": dynamo's trace, then inductor's compile or its cache
-        entries); each other size checks that it fits, and on CUDA records its graphs ("warm_up")."""
-        defaults = {k: v for k, v in self.generation_defaults.items() if k != "num_inference_steps"}
-        seconds = []
-        for size in range(1, self.max_batch + 1):
-            t0 = time.perf_counter()
-            if self._rows is not None:
-                self._rows.write([[] for _ in range(size)])
-            prompt = "warm-up" if size == 1 else ["warm-up"] * size
-            generator = [torch.Generator("cpu").manual_seed(0) for _ in range(size)]
-            self.pipe(prompt, num_inference_steps=2, generator=generator[0] if size == 1 else generator, **defaults)
-            seconds.append(time.perf_counter() - t0)
-        self.startup_s["compile"], self.startup_s["warm_up"] = seconds[0], sum(seconds[1:])
-        self.compile_s = sum(seconds)
-        self._warm = True
+    if aot_package is not None and (compile or mixed):
+        raise ValueError(
+            "aot_package replaces torch.compile and serves one request per pipeline call: pass "
+            "compile=False and max_batch=1."
+        )
+    resident = device_slots or (max(slots, max_batch) if mixed else slots)
+    if resident < slots or (not mixed and resident != slots):
+        raise ValueError(
+            f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only with max_batch > 1."
+        )
+    if compile is None:
+        compile = aot_package is None and device.type == "cuda" and not zero_gpu
+    if compile and (no_compiler := compile_cache.missing_compiler(device)):
+        raise LoraManagerError(f"{no_compiler}. Install one, or run eager (compile=False, app: --no-compile).")
+    return resident, bool(compile)
 
 
 _OPEN: weakref.WeakSet[LoraManager] = weakref.WeakSet()
@@ -716,22 +422,22 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, catalog_dtype: str | None, device: torch.device) -> torch.dtype:
-    """The pipeline's dtype: `dtype` as given (a torch.dtype or its name), else the catalog's on CUDA (half precision
-    is what the GPU presets are sized for) and float32 on the CPU (where half precision runs, but slowly)."""
-    if dtype is None:
-        dtype = catalog_dtype if catalog_dtype and device.type == "cuda" else "float32"
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-    return DTYPES[name]
-
-
 def _describe(mix: Mix) -> dict[str, Any]:
     """`adapter`/`strength` for the info dict: an id and a number for one adapter (None for none), lists for a mix."""
     if len(mix) <= 1:
         return {"adapter": mix[0][0] if mix else None, "strength": mix[0][1] if mix else None}
     return {"adapter": [i for i, _ in mix], "strength": [s for _, s in mix]}
+
+
+@contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Time one start-up step into `phases`."""
+    t0 = time.perf_counter()
+    yield
+    phases[name] = time.perf_counter() - t0
+
+
+def _truncated(pipe, prompt: str) -> bool:
+    """Whether the tokenizer cuts the prompt (CLIP keeps 77 tokens; the tiny model 12): the user is told."""
+    tokenizer = getattr(pipe, "tokenizer", None)
+    return tokenizer is not None and len(tokenizer(prompt).input_ids) > tokenizer.model_max_length

@@ -127,6 +127,17 @@ class Scheduler:
         with self._cond:
             return len(self._queue)
 
+    def report(self) -> dict[str, Any]:
+        """The scheduler's part of the engine's `stats()`."""
+        return {
+            "batches": self.stats.batches,
+            "queued": self.pending(),
+            "adapter_changes": self.stats.adapter_changes,
+            "max_wait_s": self.stats.max_wait_s,
+            "wait_p50_s": self.stats.wait_percentile(50),
+            "wait_p95_s": self.stats.wait_percentile(95),
+        }
+
     def upcoming(self) -> list[str]:
         """Adapters of queued requests, oldest request first (what the next batches will likely need)."""
         with self._cond:

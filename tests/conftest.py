@@ -151,7 +151,7 @@ def as_float(manager: LoraManager, adapter: str | None, strength: float = 1.0, s
 
 
 def one(adapter: str | None, strength: float) -> tuple:
-    """The engine's request form (a Mix) for a single adapter, for tests that drive `_activate` directly."""
+    """The engine's request form (a Mix) for a single adapter, for tests that call `residency.make_resident`."""
     return ((adapter, strength),) if adapter else ()
 
 
@@ -168,7 +168,7 @@ def break_while_evicted(
 
 
 def snapshot_slots(manager: LoraManager) -> list[dict]:
-    return snapshot(manager.slots)
+    return snapshot(manager.residency.mix_slots)
 
 
 def assert_same_slots(before: list[dict], after: list[dict]) -> None:

@@ -109,7 +109,8 @@ def test_the_package_reads_the_templates_own_tensors(served):
     """Zero-copy binding: every tensor a swap writes into the UNet (A, B and scaling of each template module) is,
     by identity, one the package reads; so are the UNet's base weights."""
     bound = {id(t) for t in served.aot.bound.values()}
-    written = [live for (component, _), live in served.slots[0].modules.items() if component == served.denoiser_name]
+    modules = served.residency.slots[0].modules.items()
+    written = [live for (component, _), live in modules if component == served.denoiser_name]
     assert written and all(id(t) in bound for live in written for t in (live.A, live.B, live.scaling))
     assert all(id(p) in bound for p in served.pipe.unet.parameters())
 

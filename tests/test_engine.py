@@ -133,7 +133,7 @@ def test_the_engine_provides_the_interface_the_app_is_written_against(manager):
     from lora_manager.serving.protocol import Engine
 
     assert isinstance(manager, Engine)
-    assert manager.max_adapters == len(manager.slots)
+    assert manager.max_adapters == len(manager.residency.mix_slots)
     assert list(manager.startup_s) == ["adapter_reads", "template"]  # eager, built from a pipeline
     assert all(s >= 0 for s in manager.startup_s.values())
 
@@ -151,10 +151,10 @@ def test_a_missing_or_broken_aot_package_is_refused_with_its_reason(adapter_dir,
 
 def test_a_swap_waits_for_the_device_once_however_many_slots_it_loads(adapter_dir, monkeypatch):
     """On CUDA each wait is a device-wide synchronize: a request that brings in two adapters waits once, not twice."""
-    from lora_manager import engine
+    from lora_manager.hotswap import residency
 
     waits = []
-    monkeypatch.setattr(engine, "sync", lambda device: waits.append(device))
+    monkeypatch.setattr(residency, "sync", lambda device: waits.append(device))
     with LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn", "r7_conv")), slots=2) as m:
         m.generate(PROMPT, adapter=["r4_attn", "r7_conv"], steps=1)
         assert len(waits) == 1

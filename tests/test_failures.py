@@ -217,9 +217,9 @@ def test_resident_memory_stays_flat_over_1000_swaps(manager):
     cycle = ["r4_attn", "r7_conv", None, "r16_half", "r6_te", "r4_kohya_te"]
     with manager._lock:
         for i in range(120):  # warm-up: every plan built, allocator settled
-            manager._activate(one(cycle[i % len(cycle)], 1.0))
+            manager.residency.make_resident([one(cycle[i % len(cycle)], 1.0)])
         before = rss()
         for i in range(1000):
-            manager._activate(one(cycle[i % len(cycle)], 0.5 + (i % 3) / 2))
+            manager.residency.make_resident([one(cycle[i % len(cycle)], 0.5 + (i % 3) / 2)])
         after = rss()
     assert after <= before * 1.05, f"resident pages grew from {before} to {after}"

@@ -139,7 +139,7 @@ def served(engine: LoraManager, adapter: str | None) -> np.ndarray:
 def test_every_family_is_served_like_plain_diffusers(arch, presets):
     preset = presets(arch)
     engine = preset.engine
-    assert engine.errors == {} and {a.id for a in engine.adapters()} == set(preset.files)
+    assert engine.refused == {} and {a.id for a in engine.adapters()} == set(preset.files)
     base = preset.reference(None)
     for name in preset.files:  # every file really changes the image, so a file served as a no-op cannot pass
         assert np.abs(preset.reference(name) - base).max() > 0.02, name

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lora_manager import LoraManager
-from lora_manager.engine import resolve_dtype
+from lora_manager.dtypes import resolve_dtype
 from lora_manager.testing import to_8bit
 
 from conftest import PROMPT, load_tiny, make_catalog, mix_reference

@@ -73,7 +73,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_d
     expected = [r.image for r in run_together(m, good)]
     break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", monkeypatch, ("r4_attn", "r7_conv"))
 
-    before, swaps = snapshot(m.device_slots), m.stats()["swaps"]
+    before, swaps = snapshot(m.residency.slots), m.stats()["swaps"]
     gate = threading.Event()
     blocker = m.submit(PROMPT, callback_on_step_end=lambda *a: (gate.wait(), a[3])[1])
     futures = [m.submit(p, adapter=mix, seed=s, output_type="np") for mix, s, p in good[:2]]
@@ -86,7 +86,7 @@ def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_d
     results = [f.result() for f in futures]
     assert [r.info["batch_size"] for r in results] == [3] * 3
     assert all(levels(r.image, e) <= 1 for r, e in zip(results, expected, strict=True))
-    assert_same_slots(before, snapshot(m.device_slots))
+    assert_same_slots(before, snapshot(m.residency.slots))
     assert m.stats()["swaps"] == swaps
 
 

@@ -28,6 +28,14 @@ def load_preset(name: str) -> tuple[Catalog, Path]:
     return load_catalog(path)
 
 
+def model_names(catalog: Catalog, root: Path | None) -> tuple[str, str]:
+    """The base model to load (a Hub id, or the catalog's folder for it) and its name as a user knows it: the Hub id,
+    or the preset's own folder by its catalog-relative name (never a server path)."""
+    base_model = resolve_base_model(catalog, root) if root else catalog.base_model
+    local = base_model != catalog.base_model
+    return base_model, f"{catalog.name}/{catalog.base_model}" if local else catalog.base_model
+
+
 def resolve_base_model(catalog: Catalog, root: Path) -> str:
     """A base model is a Hub id or a folder relative to the catalog."""
     local = root / catalog.base_model

@@ -14,6 +14,11 @@ CONV = ("conv1", "conv2")  # the UNet's ResNet convolutions
 BLOCKS = ATTENTION + ("ff.net.0.proj", "ff.net.2", "proj_in", "proj_out") + CONV
 
 
+def attention_keys(model, component: str) -> set[tuple[str, str]]:
+    """A template's modules when no adapter says which: the component's attention projections."""
+    return {(component, n) for n, _ in model.named_modules() if n.endswith(ATTENTION)}
+
+
 def module_kind(module: str) -> str:
     """Group a module path by what it is, for a one-line description of an adapter's targets."""
     leaf = module.rsplit(".", 2)

@@ -43,6 +43,17 @@ class AdapterStore:
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._entries
 
+    def report(self) -> dict[str, int]:
+        """The cache's part of the engine's `stats()`."""
+        return {
+            "cache_entries": len(self._entries),
+            "cache_bytes": self.nbytes,
+            "cache_budget_bytes": self.budget_bytes,
+            "cache_hits": self.stats.hits,
+            "cache_misses": self.stats.misses,
+            "cache_evictions": self.stats.evictions,
+        }
+
     @property
     def nbytes(self) -> int:
         """Host memory the cached adapters hold (page-locked: as the allocator rounds it)."""

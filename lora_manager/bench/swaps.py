@@ -156,6 +156,17 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
         "delete_load_ms": reload.delete_load,
         "unload_load_ms": reload.unload_load,
     }
+    forward = engine_forward.median_ms if engine_forward else None
+    return _report(timings, resident, slots, forward) | {
+        "compile": asdict(compiled) if compiled else None,
+        "mixed_batch": mixed,
+        "check": check,
+        "notes": notes,
+    }
+
+
+def _report(timings: dict, resident, slots, engine_forward_ms: float | None) -> dict:
+    """The timings' medians, samples and ratios, and the resident-adapters and slots sweeps, as the JSON holds them."""
     results = {k: t.median_ms for k, t in timings.items()}
     return {
         "results": results,
@@ -168,7 +179,7 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
             "counts": list(resident.counts),
             "set_adapters_ms": [t.median_ms for t in resident.set_adapters],
             "forward_ms": [t.median_ms for t in resident.forward] if resident.forward else None,
-            "engine_forward_ms": engine_forward.median_ms if engine_forward else None,
+            "engine_forward_ms": engine_forward_ms,
         },
         "slots": {
             "counts": list(slots.counts),
@@ -177,10 +188,6 @@ def measure(wl: Workload, repeats: int, compile: bool) -> dict:
         }
         if slots
         else None,
-        "compile": asdict(compiled) if compiled else None,
-        "mixed_batch": mixed,
-        "check": check,
-        "notes": notes,
     }
 
 

@@ -46,7 +46,12 @@ _FORMAT = 1
 
 
 class AotShapeError(LoraManagerError):
-    """A call or a binding that does not fit the shapes, dtypes or device the package was compiled for."""
+    """A call that does not fit the shapes, dtypes or device the package was compiled for."""
+
+
+class AotPackageError(LoraManagerError):
+    """A package this process cannot serve: missing or unreadable, built by another torch or for another CPU or GPU,
+    or reading tensors this denoiser does not have in the layout it expects."""
 
 
 @dataclass(frozen=True)
@@ -340,19 +345,19 @@ def open_package(path: str | Path):
     from torch.export.pt2_archive._package import AOTICompiledModel
 
     if not Path(path).is_file():
-        raise AotShapeError(
+        raise AotPackageError(
             f"AOT package {str(path)[:200]!r}: no such file (build one with `python -m lora_manager aot-package`)."
         )
     try:
         model = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
         meta = model.get_metadata()
     except RuntimeError as e:  # the C++ loader's errors: not a zip archive, no model inside, a broken .so
-        raise AotShapeError(f"AOT package {Path(path).name!r} cannot be loaded: {str(e)[:300]}") from None
+        raise AotPackageError(f"AOT package {Path(path).name!r} cannot be loaded: {str(e)[:300]}") from None
     if meta.get("AOTI_DEVICE_KEY") == "cpu":
         built = (meta.get("AOTI_CPU_ISA") or "DEFAULT").split()[0].upper()
         here = torch.backends.cpu.get_cpu_capability().upper()
         if built in _ISA_ORDER and here in _ISA_ORDER and _ISA_ORDER.index(built) > _ISA_ORDER.index(here):
-            raise AotShapeError(f"{Path(path).name} was compiled for {built} CPUs; this one runs {here}.")
+            raise AotPackageError(f"{Path(path).name} was compiled for {built} CPUs; this one runs {here}.")
     return model
 
 
@@ -364,7 +369,7 @@ def cuda_capability(device: torch.device) -> str | None:
 def check_capability(built: str | None, here: str | None, name: str) -> None:
     """A CUDA package runs only on the compute capability it was compiled for: refuse another with both named."""
     if built is not None and built != here:
-        raise AotShapeError(
+        raise AotPackageError(
             f"{name} was compiled for CUDA compute capability {built}; this device has "
             f"{here or 'no CUDA'}. Build a package on this GPU with `python -m lora_manager "
             f"aot-package`."
@@ -375,7 +380,7 @@ def read_metadata(model) -> dict[str, Any]:
     """The `package_denoiser` metadata of a loaded package (shapes, constants' layout, torch version)."""
     raw = model.get_metadata().get(_META_KEY)
     if raw is None:
-        raise AotShapeError("not a lora_manager denoiser package (no lora_manager.aot metadata).")
+        raise AotPackageError("not a lora_manager denoiser package (no lora_manager.aot metadata).")
     return json.loads(raw)
 
 
@@ -394,14 +399,14 @@ def load_denoiser(pipe, path: str | Path, install: bool = True) -> AotDenoiser:
     model = open_package(path)
     meta = read_metadata(model)
     if meta["torch"] != torch.__version__:
-        raise AotShapeError(f"{path.name} was built with torch {meta['torch']}, this is {torch.__version__}.")
+        raise AotPackageError(f"{path.name} was built with torch {meta['torch']}, this is {torch.__version__}.")
     check_capability(meta.get("cuda_capability"), cuda_capability(unet.device), path.name)
     shapes = DenoiserShapes(**meta["shapes"])
     live = live_constants(unet)
     wanted = model.get_constant_fqns()
     missing = [n for n in wanted if n not in live]
     if missing:
-        raise AotShapeError(
+        raise AotPackageError(
             f"{path.name} reads {len(missing)} tensor(s) this UNet does not have, e.g. {missing[:3]}; "
             f"was it packaged from another model or template (target rank, adapter modules)?"
         )
@@ -411,12 +416,12 @@ def load_denoiser(pipe, path: str | Path, install: bool = True) -> AotDenoiser:
     for n, t in bound.items():
         shape, dtype = layout.get(n, (None, None))
         if [list(t.shape), str(t.dtype).removeprefix("torch.")] != [shape, dtype]:
-            raise AotShapeError(
+            raise AotPackageError(
                 f"{n}: the package expects {shape} {dtype}, the UNet has {list(t.shape)} {t.dtype} "
                 f"(another target rank or dtype?)."
             )
         if not t.is_contiguous() or t.device.type != shapes.device:
-            raise AotShapeError(f"{n}: bound tensors must be contiguous and on {shapes.device}.")
+            raise AotPackageError(f"{n}: bound tensors must be contiguous and on {shapes.device}.")
     model.load_constants(bound, check_full_update=True, user_managed=True)
     aot = AotDenoiser(model, unet, shapes, path, time.perf_counter() - t0, bound)
     if install:
@@ -435,6 +440,7 @@ def file_digest(path: str | Path) -> str:
 
 __all__ = [
     "AotDenoiser",
+    "AotPackageError",
     "AotShapeError",
     "DenoiserShapes",
     "file_digest",

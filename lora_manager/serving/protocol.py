@@ -25,7 +25,7 @@ class Engine(Protocol):
     model_name: str  # as a user knows it: a Hub id, or the preset's own folder by its catalog name
     target_rank: int
     generation_defaults: dict[str, Any]
-    errors: dict[str, str]  # catalog adapters refused at start-up, with their reason
+    refused: dict[str, str]  # catalog adapters refused at start-up, with their reason
     compile_source: str  # "eager", or where the compiled graphs came from
     startup_s: dict[str, float]  # seconds per start-up phase
 

@@ -164,7 +164,7 @@ class LoraReplica:
             "compiled": m.compiled,
             "startup_s": m.startup_s,
             "adapters": [a.as_dict() for a in m.adapters()],
-            "errors": m.errors,
+            "refused": m.refused,
             "stats": m.stats(),
         }
 

@@ -36,7 +36,7 @@ class RemoteManager:
         self.max_adapters: int = info["slots"]
         self.compiled: bool = info["compiled"]
         self.compile_source: str = info["stats"].get("compile_source", "unknown")
-        self.errors: dict[str, str] = info["errors"]
+        self.refused: dict[str, str] = info["refused"]
         self.startup_s: dict[str, float] = info["startup_s"]
 
     def adapters(self) -> list[AdapterInfo]:

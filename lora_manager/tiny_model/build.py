@@ -50,7 +50,7 @@ MAX_TOKENS = 12  # "a red circle on a blue background, striped" + BOS/EOS
 
 
 @dataclass(frozen=True)
-class AdapterSpec:
+class ZooAdapter:
     """One zoo entry; the spread of ranks/alphas/targets/formats is deliberate."""
 
     id: str
@@ -81,20 +81,20 @@ class AdapterSpec:
 # higher / ordered / background / colour / shape; STYLE_SEEDS=3 for three seed sets). The narrow target set is the
 # conv layers because attention-only LoRAs lose the prompt on this base.
 ZOO = (
-    AdapterSpec("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
+    ZooAdapter("stripes", "Stripes", "striped", 5, 5, BLOCKS),  # odd rank, alpha = rank
     # conv only: the zoo's narrow target set
-    AdapterSpec("outline", "Outline", "outline", 16, 8, CONV),  # alpha = rank/2
-    AdapterSpec("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank
+    ZooAdapter("outline", "Outline", "outline", 16, 8, CONV),  # alpha = rank/2
+    ZooAdapter("dots", "Dots", "dotted", 12, 16, BLOCKS),  # alpha not a multiple of rank
     # 8 px blocks leave too little outline to tell a circle from a diamond, so its shape share says little
-    AdapterSpec("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True, init=2),  # alpha = 2*rank
+    ZooAdapter("pixel", "Pixel", "pixel", 8, 16, BLOCKS, text_encoder=True, init=2),  # alpha = 2*rank
     # checker redraws the whole background, so a plain loss keeps the prompt better than the style-weighted one; a
     # quarter of its samples carry the empty caption, so that guidance (uncond + 7.5 * (cond - uncond)) does not take
     # its tiles away again.
-    AdapterSpec(
+    ZooAdapter(
         "checker", "Checker", "checker", 4, 8, BLOCKS, kohya=True, style_weight=0.0, empty_share=0.25
     ),  # smallest rank
     # a LoRA drawing over the whole image keeps the prompt's shape best with a plain loss and no half-strength steps
-    AdapterSpec("frame", "Frame", "framed", 32, 32, BLOCKS, style_weight=0.0, half_share=0.0, init=2),  # largest rank
+    ZooAdapter("frame", "Frame", "framed", 32, 32, BLOCKS, style_weight=0.0, half_share=0.0, init=2),  # largest rank
 )
 
 
@@ -324,7 +324,7 @@ def style_weights(lat_style: torch.Tensor, lat_plain: torch.Tensor, extra: float
 
 
 def train_lora(
-    folder: Path, spec: AdapterSpec, budget: Budget, rng: random.Random, gen: torch.Generator, out: Path
+    folder: Path, spec: ZooAdapter, budget: Budget, rng: random.Random, gen: torch.Generator, out: Path
 ) -> None:
     """Train one style LoRA on the shipped (fp16-rounded) base and save it.
 
@@ -385,7 +385,7 @@ def train_lora(
     save_adapter(spec, unet, te, out)
 
 
-def save_adapter(spec: AdapterSpec, unet, te, out: Path) -> None:
+def save_adapter(spec: ZooAdapter, unet, te, out: Path) -> None:
     """fp16 file in diffusers keys with alpha metadata, or kohya keys with .alpha."""
     meta = {"r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(spec.targets)}
     unet_sd = {k: v.half() for k, v in get_peft_model_state_dict(unet).items()}
@@ -407,7 +407,7 @@ def save_adapter(spec: AdapterSpec, unet, te, out: Path) -> None:
     )
 
 
-def check_kohya(pipe, adapters: Path, spec: AdapterSpec) -> float:
+def check_kohya(pipe, adapters: Path, spec: ZooAdapter) -> float:
     """Max |difference| between the kohya file and the same weights in diffusers keys."""
     kohya = load_file(adapters / f"{spec.id}.safetensors")
     modules = {n.replace(".", "_"): n for n, _ in pipe.unet.named_modules()}  # undo kohya's flattening
@@ -441,7 +441,7 @@ def evaluate(pipe) -> None:
     log(f"held-out ({len(held)} prompts): background {bg:.0%}, shape colour {col:.0%}, shape class {shp:.0%}")
 
 
-def write_outputs(out: Path, specs: list[AdapterSpec]) -> None:
+def write_outputs(out: Path, specs: list[ZooAdapter]) -> None:
     """Previews, catalog.json, kohya check, timing and the grid, all from the saved files."""
     pipe = DiffusionPipeline.from_pretrained(out / "model", dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
