@@ -24,9 +24,17 @@ BENCH = {  # other runs quoted next to the notebook's tiny-model row in the Perf
     "SDXL-size, CPU, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_cpu.json",
     "SDXL-size, H200, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_h200.json",
 }
-BENCH_COLUMNS = ("floor_flat_ms", "floor_per_tensor_ms", "engine_swap_ms", "engine_swap_mixed_ms",
-                 "diffusers_hotswap_ms", "diffusers_hotswap_dict_ms", "set_adapters_10_resident_ms",
-                 "delete_load_ms", "unload_load_ms")
+BENCH_COLUMNS = (
+    "floor_flat_ms",
+    "floor_per_tensor_ms",
+    "engine_swap_ms",
+    "engine_swap_mixed_ms",
+    "diffusers_hotswap_ms",
+    "diffusers_hotswap_dict_ms",
+    "set_adapters_10_resident_ms",
+    "delete_load_ms",
+    "unload_load_ms",
+)
 
 
 def load(path: Path = RESULTS_JSON) -> dict:
@@ -54,8 +62,10 @@ def results_table(data: dict) -> str:
 
 def run_line(data: dict) -> str:
     run = data["run"]
-    return (f"torch {run['torch']}, diffusers {run['diffusers']}, peft {run['peft']}; {run['cpu_count']} CPU cores; "
-            f"inductor cache {run['inductor_cache']}; {run['notebook_s']:.0f} s in all")
+    return (
+        f"torch {run['torch']}, diffusers {run['diffusers']}, peft {run['peft']}; {run['cpu_count']} CPU cores; "
+        f"inductor cache {run['inductor_cache']}; {run['notebook_s']:.0f} s in all"
+    )
 
 
 def tutorial_block(data: dict) -> str:
@@ -63,13 +73,16 @@ def tutorial_block(data: dict) -> str:
     rows = [
         ("reload per request (`delete_adapters` + `load_lora_weights`)", v["reload_ms"]),
         (f"`set_adapters` with {v['resident_max']} LoRAs loaded", v["set_adapters_max_ms"]),
-        ("plain diffusers hotswap, from the file / from a cached dict",
-         f"{fmt(v['hotswap_file_ms'])} / {fmt(v['hotswap_dict_ms'])}"),
-        (f"**LoraManager swap** (a bare copy of the same tensors: {fmt(v['floor_per_tensor_ms'])})",
-         f"**{fmt(v['engine_swap_ms'])}**"),
+        (
+            "plain diffusers hotswap, from the file / from a cached dict",
+            f"{fmt(v['hotswap_file_ms'])} / {fmt(v['hotswap_dict_ms'])}",
+        ),
+        (
+            f"**LoraManager swap** (a bare copy of the same tensors: {fmt(v['floor_per_tensor_ms'])})",
+            f"**{fmt(v['engine_swap_ms'])}**",
+        ),
     ]
-    lines = [f"From that run ({run_line(data)}):", "",
-             "| per adapter switch (tiny model) | ms |", "|---|---|"]
+    lines = [f"From that run ({run_line(data)}):", "", "| per adapter switch (tiny model) | ms |", "|---|---|"]
     lines += [f"| {name} | {fmt(val)} |" for name, val in rows]
     recompiles = v["recipe_graphs"] - 1
     lines += [
@@ -88,8 +101,10 @@ def tutorial_block(data: dict) -> str:
 
 def performance_block(data: dict) -> str:
     v = values(data)
-    header = ("| ms per switch | floor: one copy | floor: copy per tensor | **engine swap** | engine, mixed ranks | "
-              "diffusers hotswap (file) | hotswap (dict) | set_adapters, 10 resident | delete + load | unload + load |")
+    header = (
+        "| ms per switch | floor: one copy | floor: copy per tensor | **engine swap** | engine, mixed ranks | "
+        "diffusers hotswap (file) | hotswap (dict) | set_adapters, 10 resident | delete + load | unload + load |"
+    )
     lines = [header, "|" + "---|" * 10]
     for name, path in BENCH.items():
         r = json.loads(path.read_text())["results"]
@@ -97,9 +112,17 @@ def performance_block(data: dict) -> str:
         cells[2] = f"**{cells[2]}** ({r['engine_swap_ms'] / r['floor_per_tensor_ms']:.2f}× floor)"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     ranks = ", ".join(map(str, v["swap_cycle_ranks"]))
-    tiny = [v["floor_flat_ms"], v["floor_per_tensor_ms"], f"**{fmt(v['engine_swap_ms'])}** (ranks {ranks})", "—",
-            v["hotswap_file_ms"], v["hotswap_dict_ms"],
-            v["set_adapters_max_ms"] if v["resident_max"] == 10 else "—", v["reload_ms"], v["reload_unload_ms"]]
+    tiny = [
+        v["floor_flat_ms"],
+        v["floor_per_tensor_ms"],
+        f"**{fmt(v['engine_swap_ms'])}** (ranks {ranks})",
+        "—",
+        v["hotswap_file_ms"],
+        v["hotswap_dict_ms"],
+        v["set_adapters_max_ms"] if v["resident_max"] == 10 else "—",
+        v["reload_ms"],
+        v["reload_unload_ms"],
+    ]
     label = "tiny, CPU, fp32 (the tutorial's run; fastest sample, not median)"
     lines.append(f"| {label} | " + " | ".join(fmt(c) for c in tiny) + " |")
     counts = v["resident_counts"]
@@ -108,7 +131,7 @@ def performance_block(data: dict) -> str:
         f"Tiny model, the tutorial's run: a UNet forward takes "
         f"{' / '.join(fmt(x) for x in v['fwd_resident_ms'])} ms with {' / '.join(map(str, counts))} of "
         f"{v['resident_max']} loaded LoRAs active (unused ones at weight 0), "
-        f"{fmt(v['fwd_resident_one_active_ms'])} ms with only one active (`set_adapters(\"x\")`), against "
+        f'{fmt(v["fwd_resident_one_active_ms"])} ms with only one active (`set_adapters("x")`), against '
         f"{fmt(v['fwd_template_ms'])} ms for the manager's template and {fmt(v['fwd_base_ms'])} ms without LoRA.",
     ]
     return "\n".join(lines)
@@ -123,14 +146,18 @@ def fill(text: str, data: dict) -> str:
         if not pattern.search(text):
             raise SystemExit(f"README.md has no results:{name} markers")
         body = render(data)
-        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
     return text
 
 
 def blocks(text: str) -> dict[str, str]:
     """The README's current generated blocks, by name."""
-    return {name: re.search(rf"<!-- results:{name}:start -->\n(.*?)<!-- results:{name}:end -->", text, re.S).group(1)
-            .removesuffix("\n") for name in BLOCKS}
+    return {
+        name: re.search(rf"<!-- results:{name}:start -->\n(.*?)<!-- results:{name}:end -->", text, re.S)
+        .group(1)
+        .removesuffix("\n")
+        for name in BLOCKS
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,11 +10,10 @@ from urllib.parse import urlparse
 
 import pytest
 
-from test_app_api import CATALOG, ROOT, adapter_ids, running_app  # noqa: F401
-from test_app_api import pytestmark as app_marks
+from helpers import APP_MARKS, CATALOG, ROOT, adapter_ids, running_app
 
 playwright = pytest.importorskip("playwright.sync_api")
-pytestmark = [*app_marks, pytest.mark.browser]  # app_marks: `app`, and a skip without the preset
+pytestmark = [*APP_MARKS, pytest.mark.browser]
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
     "--no-sandbox",

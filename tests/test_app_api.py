@@ -1,16 +1,11 @@
-"""The app's API through gradio_client, against `python app.py` (tiny preset) started on a free local port.
-
-`running_app` is also used by test_app.py (browser test). APP_TEST_PRESET picks another catalog (development only).
-"""
+"""The app's API through gradio_client, against `python app.py` (tiny preset) started on a free local port
+(helpers.running_app; APP_TEST_PRESET picks another catalog, for development only)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,38 +13,9 @@ import pytest
 from lora_manager import testing
 from lora_manager.testing import levels
 
-ROOT = Path(__file__).resolve().parents[1]
-PRESET = os.environ.get("APP_TEST_PRESET", "tiny")
-CATALOG = Path(PRESET) if PRESET.endswith(".json") else ROOT / "lora_manager" / "presets" / PRESET / "catalog.json"
-PROMPT = "a red circle on a blue background"
-READY_TIMEOUT_S = 240  # a 2-core CPU can be slow to import torch + diffusers + gradio
+from helpers import APP_MARKS, CATALOG, PRESET, PROMPT, READY_TIMEOUT_S, ROOT, adapter_ids, running_app
 
-pytestmark = [
-    pytest.mark.app,
-    pytest.mark.skipif(not CATALOG.is_file(), reason=f"no catalog at {CATALOG} (tiny preset not built yet)"),
-]
-
-
-def adapter_ids() -> list[str]:
-    return [a["id"] for a in json.loads(CATALOG.read_text())["adapters"]]
-
-
-@contextlib.contextmanager
-def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
-    """Start `python app.py` offline on 127.0.0.1, yield its URL once it prints 'ready in', then stop it."""
-    env = {
-        **os.environ,
-        "GRADIO_ANALYTICS_ENABLED": "False",
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "OMP_NUM_THREADS": "1",  # one thread is faster than two on a CPU other processes use too
-        "LORA_PRESET": PRESET,
-        **env_overrides,
-    }
-    env.pop("LORA_COMPILE", None)
-    with testing.running_app(ROOT / "app.py", args, env, READY_TIMEOUT_S) as (url, output):
-        print(output.splitlines()[-1])
-        yield url
+pytestmark = APP_MARKS
 
 
 def test_the_app_prints_nothing_but_its_own_lines_before_ready():

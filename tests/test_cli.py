@@ -10,7 +10,8 @@ import sys
 import pytest
 from PIL import Image
 
-from conftest import ADAPTERS, ROOT
+from engine_helpers import ADAPTERS
+from helpers import ROOT
 
 pytestmark = pytest.mark.slow  # each test starts a Python that imports torch and diffusers
 

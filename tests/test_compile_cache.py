@@ -21,7 +21,7 @@ from lora_manager import LoraManager
 from lora_manager.errors import LoraManagerError
 from lora_manager.hotswap import compile_cache
 
-from conftest import PROMPT, ROOT
+from helpers import PROMPT, ROOT
 
 TINY = ROOT / "lora_manager" / "presets" / "tiny"
 SHOWN = (None, "frame", "pixel")  # the adapters each start draws, with seed 3 and 3 steps

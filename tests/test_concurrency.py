@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
-from lora_manager import LoraManager, QueueFullError
+from lora_manager import LoraManager
 from lora_manager.bench.load import PROMPTS, Job, cycle_jobs, make_jobs, run_engine, run_naive, solo_references
-from lora_manager.scheduler import Request, Scheduler
 from lora_manager.testing import levels
 
-from conftest import ADAPTERS, PROMPT, load_tiny, make_catalog
+from engine_helpers import ADAPTERS, load_tiny, make_catalog
+from helpers import PROMPT
 
 ADAPTER_IDS = [None, *ADAPTERS]
 
@@ -69,50 +68,3 @@ def test_same_adapter_requests_batch_and_equal_their_solo_images(adapter_dir):
     for job, result in zip(same, results, strict=True):
         solo = m.generate(job.prompt, job.adapter, job.strength, job.seed).image
         assert levels(result.image, solo) <= 1
-
-
-def _scheduler(order: list, gate: threading.Event, **kw) -> Scheduler:
-    live = {"adapters": frozenset()}
-
-    def run(batch: list[Request]):
-        gate.wait()
-        live["adapters"] = batch[0].adapter_ids
-        order.extend(r.adapters[0][0] for r in batch)
-        return [r.seed for r in batch]
-
-    return Scheduler(run, lambda: live["adapters"], **kw)
-
-
-def test_scheduler_groups_by_adapter_and_never_starves_one():
-    order, gate = [], threading.Event()
-    s = _scheduler(order, gate, max_consecutive=3)
-    first = s.submit(Request("p", (("a", 1.0),), 0))
-    time.sleep(0.05)  # the worker now holds `first` at the gate
-    arrivals = ["b", "a", "b", "a", "c", "a", "a", "a", "a"]
-    futures = [s.submit(Request("p", ((x, 1.0),), i + 1)) for i, x in enumerate(arrivals)]
-    gate.set()
-    assert [f.result(timeout=5) for f in futures] == list(range(1, len(arrivals) + 1))
-    first.result(timeout=5)
-    served = order[1:]
-    changes = sum(x != y for x, y in zip(order, order[1:], strict=False))
-    assert changes < sum(
-        x != y for x, y in zip(["a", *arrivals], arrivals, strict=False)
-    )  # fewer swaps than arrival order
-    streak = 1
-    for i in range(1, len(order)):
-        streak = streak + 1 if order[i] == order[i - 1] else 1
-        if streak > 3:  # longer runs of one adapter only once nobody else is waiting
-            assert set(order[i:]) == {order[i]}, order
-    assert served.index("b") <= 3 and served.index("c") <= 7
-
-
-def test_full_queue_answers_busy_at_once():
-    order, gate = [], threading.Event()
-    s = _scheduler(order, gate, max_queue=2)
-    s.submit(Request("p", (("a", 1.0),), 0))
-    time.sleep(0.05)
-    s.submit(Request("p", (("a", 1.0),), 1))
-    s.submit(Request("p", (("b", 1.0),), 2))
-    with pytest.raises(QueueFullError, match="Busy: 2 requests are queued .* retry"):
-        s.submit(Request("p", (("c", 1.0),), 3))
-    gate.set()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lora_manager import LoraManager, RequestError, UnknownAdapterError
-from lora_manager.testing import levels
 
-from conftest import ADAPTERS, PROMPT, as_float, load_tiny, make_catalog, reference
+from engine_helpers import ADAPTERS, as_float, assert_same_image, load_tiny, make_catalog, reference
+from helpers import PROMPT
 
 # Each step is (adapter, strength); the sequence revisits adapters after others of other ranks and targets.
 SEQUENCE = [
@@ -25,13 +25,6 @@ SEQUENCE = [
     ("r7_conv", 0.8),
     ("r16_half", 1.0),
 ]
-
-
-def assert_same_image(got: np.ndarray, want: np.ndarray) -> None:
-    """The issue's bar: within 1e-4 on the float output, or at most 1 level of 255 once converted to 8 bits."""
-    err = float(np.abs(got - want).max())
-    diff = levels(got, want)
-    assert err <= 1e-4 or diff <= 1, f"max abs diff {err:.2e}, {diff} levels of 255"
 
 
 @pytest.fixture(scope="module")

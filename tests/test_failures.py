@@ -14,11 +14,21 @@ from lora_manager import (
     AdapterSourceError,
     AdapterValueError,
     CacheBudgetError,
+    LoraManager,
 )
 from lora_manager.adapters.inspection import ATTENTION as ATTN
 from lora_manager.testing import rewrite, write_adapter
 
-from conftest import as_float, assert_same_slots, one, snapshot_slots
+from engine_helpers import (
+    as_float,
+    assert_same_image,
+    assert_same_slots,
+    load_tiny,
+    make_catalog,
+    one,
+    reference,
+    snapshot_slots,
+)
 
 LIVE = ([("r7_conv", 0.8), ("r6_te", 0.5)], 1.0)  # both slots of the compiled engine in use, text encoder too
 
@@ -137,8 +147,6 @@ def _truncate(src, dst):
 
 @pytest.fixture(scope="module")
 def bad(compiled_manager, adapter_dir, tmp_path_factory):
-    from conftest import load_tiny
-
     return _bad_files(load_tiny(), adapter_dir / "r4_attn.safetensors", tmp_path_factory.mktemp("bad"))
 
 
@@ -190,21 +198,21 @@ def test_adapter_larger_than_the_cache_budget_is_refused(compiled_manager, adapt
     assert np.array_equal(as_float(m, *LIVE), live_output)
 
 
-def test_dropout_in_the_config_is_served_like_plain_diffusers(manager, adapter_dir, tmp_path):
+def test_dropout_in_the_config_is_served_like_plain_diffusers(adapter_dir, tmp_path):
     """lora_dropout is identity at inference, so unlike diffusers' hotswap we accept it rather than refuse it.
 
     Plain diffusers leaves PEFT's new dropout modules in training mode (two runs differ); the reference calls eval().
+    The adapter is registered on an engine of its own: the session's engines stay as every other test expects them.
     """
-    from conftest import reference
-    from test_engine import assert_same_image
 
     def add_dropout(t, meta):  # diffusers keeps each component's LoraConfig under "<component>.<field>"
         cfg = json.loads(meta["lora_adapter_metadata"])
         meta["lora_adapter_metadata"] = json.dumps({**cfg, "unet.lora_dropout": 0.1, "text_encoder.lora_dropout": 0.1})
 
     path = rewrite(adapter_dir / "r6_te.safetensors", tmp_path / "dropout.safetensors", add_dropout)
-    manager.register("dropout", str(path))
-    assert_same_image(as_float(manager, "dropout"), reference(path))
+    m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r6_te",)))
+    m.register("dropout", str(path))
+    assert_same_image(as_float(m, "dropout"), reference(path))
 
 
 def test_resident_memory_stays_flat_over_1000_swaps(manager):

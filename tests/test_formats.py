@@ -26,7 +26,8 @@ from lora_manager.adapters.reader import read_adapter
 from lora_manager.bench.mini_pipelines import FLUX_GEN, SDXL_GEN, mini_flux, mini_sdxl
 from lora_manager.testing import rewrite
 
-from conftest import GEN, PROMPT, ROOT, TINY_MODEL, load_tiny
+from engine_helpers import assert_same_image, load_tiny, served
+from helpers import GEN, PROMPT, ROOT, TINY_MODEL
 from lora_formats import (
     FLUX_SINGLE,
     FLUX_SINGLE_LINEAR1,
@@ -41,7 +42,6 @@ from lora_formats import (
     write_flux_kohya,
     write_peft_alpha_tensors,
 )
-from test_engine import assert_same_image
 
 
 @dataclass(frozen=True)
@@ -131,10 +131,6 @@ def mixed_and_back(names: list[str]) -> list[str | None]:
     return steps + steps[::-1]
 
 
-def served(engine: LoraManager, adapter: str | None) -> np.ndarray:
-    return engine.generate(PROMPT, adapter=adapter, seed=0, output_type="np").image
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_family_is_served_like_plain_diffusers(arch, presets):
     preset = presets(arch)
@@ -217,27 +213,14 @@ def test_files_diffusers_cannot_read_are_refused_with_the_reason(case, presets, 
     assert "bad" not in {a.id for a in preset.engine.adapters()}
 
 
-def serve_compiled(catalog: str, steps: list[str | None], out: str) -> None:
-    """Serve `steps` on a compiled engine of `catalog` and save the images and stats to `out` (.npz).
-
-    Runs in a process of its own: diffusers' LoRA-scale decorator gives every denoiser's `forward` the same code
-    object, so in the test process (where the tiny engine is compiled too) compiling the Flux transformer would be a
-    recompile of that code, which `error_on_recompile` turns into an error.
-    """
-    engine = LoraManager.from_preset(catalog, compile=True, device="cpu")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        images = np.stack([served(engine, adapter) for adapter in steps])
-    stats = engine.stats()
-    engine.close()
-    np.savez(out, images=images, compiled=stats["compiled"], recompiles=stats["recompiles"], swaps=stats["swaps"])
-
-
 @pytest.mark.compile
 def test_compiled_flux_serves_every_family_without_recompiling(presets, tmp_path):
     preset = presets("flux")
     steps = mixed_and_back(list(preset.files))
     out = tmp_path / "compiled.npz"
-    code = f"from test_formats import serve_compiled; serve_compiled({str(preset.catalog)!r}, {steps!r}, {str(out)!r})"
+    code = (
+        f"from engine_helpers import serve_compiled; serve_compiled({str(preset.catalog)!r}, {steps!r}, {str(out)!r})"
+    )
     paths = os.pathsep.join([str(ROOT), str(ROOT / "tests")])  # what pyproject's pytest `pythonpath` gives this process
     run = subprocess.run(
         [sys.executable, "-c", code],

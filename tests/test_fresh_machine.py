@@ -22,7 +22,7 @@ from PIL import Image
 
 from lora_manager.scheduler import WAIT_WINDOW, Request, Scheduler
 
-from conftest import PROMPT, ROOT, TINY_MODEL
+from helpers import PROMPT, ROOT, TINY_MODEL, running_app
 from servers import running_serve
 
 
@@ -145,8 +145,6 @@ def test_without_a_cpp_compiler_the_app_starts_eager_and_compile_says_why():
     """A slim image without g++: the app starts and serves (eager, the CPU default); `--compile` stops with one
     line saying why instead of a traceback."""
     from gradio_client import Client
-
-    from test_app_api import running_app
 
     with running_app(CXX="/nonexistent/g++") as url:
         _, info = Client(url, verbose=False).predict(PROMPT, "frame", 1.0, 0, 2, api_name="/generate")

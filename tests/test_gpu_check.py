@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 
 def gpu_check(json_path: Path, *args: str) -> subprocess.CompletedProcess:

@@ -16,7 +16,8 @@ from lora_manager import LoraManager
 from lora_manager.dtypes import resolve_dtype
 from lora_manager.testing import to_8bit
 
-from conftest import PROMPT, load_tiny, make_catalog, mix_reference
+from engine_helpers import load_tiny, make_catalog, mix_reference
+from helpers import PROMPT
 
 DTYPES = [torch.float16, torch.bfloat16]
 PROMPTS = (PROMPT, "a green square on a yellow background", "a blue diamond on a white background")

@@ -16,9 +16,8 @@ import pytest
 from lora_manager.request_schema import MAX_BODY_BYTES, MAX_PROMPT_CHARS
 from lora_manager.testing import free_port
 
-from conftest import PROMPT, ROOT
+from helpers import PROMPT, ROOT, running_app
 from servers import running_serve
-from test_app_api import running_app
 
 NORMAL = [PROMPT, "frame", 1.0, 0, 2]  # prompt, adapter, strength, seed, steps
 MAX_ECHO = 400  # characters: a refusal never echoes a long value whole

@@ -6,19 +6,17 @@ from __future__ import annotations
 import random
 import shutil
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from lora_manager import AdapterFormatError, LoraManager, RequestError
-from lora_manager.hotswap.plan import plan_resident
-from lora_manager.scheduler import Request, Scheduler
+from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.testing import levels, snapshot
 
-from conftest import PROMPT, assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
+from engine_helpers import assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
+from helpers import PROMPT
 
 PROMPTS = (PROMPT, "a green square on a yellow background", "a blue diamond on a white background")
 # Two batches of four that between them cover ranks 4..16, alphas above/below/not a multiple of the rank,
@@ -90,15 +88,6 @@ def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_d
     assert m.stats()["swaps"] == swaps
 
 
-def test_plan_resident_keeps_needed_adapters_and_evicts_the_least_recently_used():
-    used = {"a": 3, "b": 1, "c": 2}
-    assert plan_resident(["a", "b", "c"], ["a"], used) == ["a", "b", "c"]  # resident: nothing moves
-    assert plan_resident(["a", None, "c"], ["d", "a"], used) == ["a", "d", "c"]  # an empty slot first
-    assert plan_resident(["a", "b", "c"], ["d", "e", "a"], used) == ["a", "d", "e"]  # then b (oldest), then c
-    with pytest.raises(RequestError, match="3 adapters in one batch but there are 2 device slot"):
-        plan_resident(["a", "b"], ["c", "d", "e"], used)
-
-
 def test_device_slots_hold_the_batch_and_evict_the_least_recently_used(adapter_dir):
     m = LoraManager(load_tiny(), make_catalog(adapter_dir), max_batch=2, device_slots=2)
     run_together(m, [([("r4_attn", 1.0)], 0, PROMPT), ([("r7_conv", 1.0)], 0, PROMPT)])
@@ -106,45 +95,6 @@ def test_device_slots_hold_the_batch_and_evict_the_least_recently_used(adapter_d
     run_together(m, [([("r16_half", 0.5)], 0, PROMPT)])  # evicts r4_attn, used longest ago
     assert sorted(filter(None, m.stats()["live"])) == ["r16_half", "r7_conv"]
     assert m.stats()["device_slots"] == 2 and m.stats()["slots"] == 1
-
-
-def _scheduler(batches: list, gate: threading.Event, **kw) -> Scheduler:
-    live = {"adapters": frozenset()}
-
-    def run(batch: list[Request]):
-        gate.wait()
-        live["adapters"] = frozenset().union(*(r.adapter_ids for r in batch))
-        batches.append([r.seed for r in batch])
-        return [r.seed for r in batch]
-
-    return Scheduler(run, lambda: live["adapters"], **kw)
-
-
-def test_scheduler_mixes_adapters_within_max_batch_device_slots_and_equal_params():
-    batches, gate = [], threading.Event()
-    s = _scheduler(batches, gate, max_batch=3, capacity=2)
-    s.submit(Request("p", (("a", 1.0),), 0))
-    time.sleep(0.05)  # the worker now holds request 0 at the gate
-    arrivals = [("b", {}), ("c", {}), ("d", {}), ("a", {"num_inference_steps": 3}), ("a", {}), ("e", {})]
-    futures = [s.submit(Request("p", ((x, 1.0),) if x else (), i + 1, p)) for i, (x, p) in enumerate(arrivals)]
-    gate.set()
-    assert [f.result(timeout=5) for f in futures] == list(range(1, len(arrivals) + 1))
-    # live {a}: the live adapter's requests first (4 alone: other steps), then 5 with b (2 device slots, not 3),
-    # then the oldest (c) with d, then e
-    assert batches[1:] == [[4], [5, 1], [2, 3], [6]]
-    assert s.stats.batches == 5
-
-
-def test_scheduler_fairness_holds_with_mixed_batches():
-    batches, gate = [], threading.Event()
-    s = _scheduler(batches, gate, max_batch=2, capacity=2, max_consecutive=2)
-    s.submit(Request("p", (("a", 1.0),), 0))
-    time.sleep(0.05)
-    futures = [s.submit(Request("p", (("z", 1.0),), 1, {"num_inference_steps": 3}))]  # shares a batch with nobody
-    futures += [s.submit(Request("p", (("a", 1.0),), i)) for i in range(2, 10)]
-    gate.set()
-    [f.result(timeout=5) for f in futures]
-    assert [1] in batches[: 1 + 3]  # served within max_consecutive batches of the live adapter's requests
 
 
 @pytest.mark.compile

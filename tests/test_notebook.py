@@ -1,6 +1,7 @@
-"""The tutorial notebook: its cells come from build_notebook.py, its numbers reach the README through one JSON file
-(notebooks/figures/results.json, written by the run, turned into README blocks by notebooks/fill_readme.py), and it
-runs end to end, offline, on a copy: the committed notebook and JSON keep what the committed run wrote."""
+"""The tutorial notebook: its cells come from its source, notebooks/lora_hotswap_tutorial.py (written out by
+build_notebook.py), its numbers reach the README through one JSON file (notebooks/figures/results.json, written by the
+run, turned into README blocks by notebooks/fill_readme.py), and it runs end to end, offline, on a copy: the committed
+notebook and JSON keep what the committed run wrote."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _recap_markdown(nb) -> str:
 
 
 def test_notebook_matches_its_generator():
-    """The .ipynb is written by build_notebook.py: the committed cells must be the generator's cells."""
+    """The .ipynb is written by build_notebook.py from its source: the committed cells must be the source's cells."""
     build = _module("build_notebook")
     committed = nbformat.read(NOTEBOOK, as_version=4)
     assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in build.CELLS]

@@ -11,8 +11,8 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
+from helpers import CATALOG, PROMPT, running_app
 from hub_server import HubServer, Repo
-from test_app_api import CATALOG, PROMPT, running_app
 
 pytestmark = pytest.mark.app
 

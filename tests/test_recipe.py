@@ -21,7 +21,7 @@ from PIL import Image
 
 from lora_manager.bench.mini_pipelines import mini_flux, mini_sdxl
 
-from conftest import ROOT
+from helpers import ROOT
 from lora_formats import flux_files, sdxl_files
 
 pytestmark = pytest.mark.compile

@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError, UnknownAdapterError
-from lora_manager.hotswap.plan import assign_slots
-from lora_manager.request_schema import normalize_mix
 from lora_manager.testing import levels
 
-from conftest import (
-    PROMPT,
+from engine_helpers import (
     assert_same_slots,
     break_while_evicted,
     load_tiny,
@@ -22,6 +19,7 @@ from conftest import (
     mix_reference,
     snapshot_slots,
 )
+from helpers import PROMPT
 
 # Pairs with different ranks, alphas and target sets: attention-only with attention+ff+conv (ranks 4/7, alphas 4/11),
 # a half-alpha rank 16 with a text-encoder adapter, and two kohya files (one with a text-encoder part).
@@ -44,33 +42,6 @@ def ref(adapter_dir, mix, seed: int = 0) -> np.ndarray:
 @pytest.fixture(scope="module")
 def slots3(adapter_dir) -> LoraManager:
     return LoraManager(load_tiny(), make_catalog(adapter_dir), slots=3)
-
-
-def test_normalize_mix_accepts_every_request_form_and_refuses_bad_ones():
-    assert normalize_mix(None, 1.0, 2) == normalize_mix("", 1.0, 2) == normalize_mix([], 1.0, 2) == ()
-    assert normalize_mix("a", 0.5, 1) == (("a", 0.5),)
-    assert normalize_mix(["a", ("b", 0.3)], 0.8, 2) == (("a", 0.8), ("b", 0.3))
-    assert normalize_mix([["a", 0.2], ["", 1.0]], 1.0, 1) == (("a", 0.2),)  # a blank row is an unused slot
-    with pytest.raises(RequestError, match="'a' appears twice"):
-        normalize_mix([("a", 0.5), "a"], 1.0, 3)
-    with pytest.raises(RequestError, match="3 adapters requested but this engine has 2 hotswap slot"):
-        normalize_mix(["a", "b", "c"], 1.0, 2)
-    with pytest.raises(RequestError, match="an id or an"):
-        normalize_mix([("a", 0.5, 1)], 1.0, 2)
-    with pytest.raises(RequestError, match="must be an id"):
-        normalize_mix(7, 1.0, 2)
-
-
-def test_assign_slots_orders_by_id_and_keeps_fitting_live_adapters_in_place():
-    assert assign_slots([None, None], ["b", "a"]) == ["a", "b"]
-    assert assign_slots(["a", "b"], ["b", "a"]) == ["a", "b"]  # order in the request does not move anything
-    assert assign_slots(["a", "c"], ["b", "c"]) == ["b", "c"]  # c stays; b overwrites a
-    assert assign_slots(["a", "b"], ["b", "c"]) == ["b", "c"]  # b must come before c: both move
-    assert assign_slots([None, "b", None], ["a", "c"]) == ["a", "c", None]  # two writes: a added, b becomes c
-    assert assign_slots(["a", None, "b"], ["c"]) == ["c", None, None]  # two writes, not three; the rest emptied
-    assert assign_slots(["a", "b"], []) == [None, None]
-    with pytest.raises(RequestError):
-        assign_slots(["a"], ["a", "b"])
 
 
 @pytest.mark.parametrize("mix", PAIRS + [TRIPLE], ids=lambda m: "+".join(i for i, _ in m))

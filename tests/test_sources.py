@@ -2,7 +2,7 @@
 (tests/hub_server.py).
 
 huggingface_hub reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE and the timeouts into `huggingface_hub.constants` at
-import time, and the test process imported it long ago (conftest imports diffusers). `hub_env` therefore sets the
+import time, and the test process imported it long ago (test modules import diffusers). `hub_env` therefore sets the
 environment variables, re-executes the library's own constants.py with them in a scratch module and patches every
 value that differs into `huggingface_hub.constants` (monkeypatch undoes it); all the code used here reads them as
 `constants.X` at call time. `hub_env` then checks that the endpoint, cache and offline flag really changed.
@@ -373,7 +373,7 @@ def test_an_adapter_refused_after_download_leaves_the_cache_as_it_was(hub, blobs
     """`register` deletes what a refused Hub file brought into the cache, and keeps what was there before."""
     from lora_manager import LoraManager
 
-    from conftest import load_tiny, make_catalog
+    from engine_helpers import load_tiny, make_catalog
 
     hub.repos["owner/zeros"] = Repo({"main": {"lora.safetensors": bytes(4096)}})
     m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn",)))
