@@ -15,53 +15,66 @@ wires it.
 from __future__ import annotations
 
 import os
-import time
-
-_T0 = time.time()  # "ready in" counts from here, before the heavy imports below
 
 # ZeroGPU (the `spaces` package with SPACES_ZERO_GPU=true): a GPU is attached only inside functions decorated with
 # spaces.GPU, which run in a process forked from this one. `spaces` refuses to start once CUDA is initialized, and
 # importing diffusers initializes it, so `spaces` comes first. transformers loads weights in worker threads, where
 # spaces' CUDA placeholders do not reach: loads run on this thread instead.
-ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
-if ZERO_GPU:
+if os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true"):
     os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 try:
     import spaces
+except ImportError:  # not on a Space: GPU functions run as they are
+    spaces = None
 
-    gpu = spaces.GPU
-except ImportError:
+import argparse
+import functools
+import inspect
+import json
+import logging
+import math
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-    def gpu(fn=None, **_):
-        return fn if fn is not None else (lambda f: f)
+import gradio as gr
+import psutil
+import torch
+from fastapi.exceptions import RequestValidationError
+from gradio.components.api_component import Api
+from gradio.utils import get_function_params
+from gradio_client.utils import python_type_to_json_schema
+from PIL import Image, ImageDraw
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+
+import lora_manager
+from lora_manager import AdapterInfo, LoraManager, LoraManagerError
+from lora_manager.errors import EngineClosedError, QueueFullError, UnknownAdapterError
+from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, normalize_mix, shorten
+from lora_manager.serving.additions import Additions
+from lora_manager.serving.protocol import Engine
+from lora_manager.serving.remote import RemoteManager
+from lora_manager.specs import DTYPE_NAMES
+
+ZERO_GPU = os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
+STARTED = psutil.Process().create_time()  # "ready in" counts from the process start, the imports included
 
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+def gpu(fn: Callable) -> Callable:
+    """`fn` as a ZeroGPU function where `spaces` is installed (it runs as it is elsewhere)."""
+    return spaces.GPU(fn) if spaces is not None else fn
 
-import gradio as gr  # noqa: E402
-from PIL import Image, ImageDraw  # noqa: E402
 
-from lora_manager import AdapterInfo, LoraManager, LoraManagerError  # noqa: E402
-from lora_manager.errors import UnknownAdapterError  # noqa: E402
-from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, normalize_mix, shorten  # noqa: E402
-from lora_manager.serving.additions import Additions  # noqa: E402
-from lora_manager.serving.protocol import Engine  # noqa: E402
-from lora_manager.serving.remote import RemoteManager  # noqa: E402
-from lora_manager.specs import DTYPE_NAMES  # noqa: E402
+PRESETS = Path(lora_manager.__file__).parent / "presets"
+GPU_PRESETS = ("sd15", "sdxl", "flux")  # the order a GPU default is picked in: flux, gated, last
 
 log = logging.getLogger("app")
 SEED_MAX = 2**32 - 1
@@ -81,6 +94,72 @@ CSS = """
 #gallery .grid-wrap.fixed-height { min-height: 0; }
 #info-panel { min-height: 7em; }
 """
+
+
+# ---- refusals: what the caller sent, told apart from a failure of the server ----------------------------------------
+
+# Gradio's direct route (/gradio_api/run/...) answers every error with HTTP 500; a Refusal gets its status by title
+REFUSAL_STATUS = {"Invalid request": 422, "Busy": 429}
+
+
+class Refusal(gr.Error):
+    """A request refused for what it asks, with a message that says what to send or when to retry (a 4xx on Gradio's
+    direct route, an error event on its queue, a modal in the UI)."""
+
+    def __init__(self, message: str, title: str = "Invalid request"):
+        super().__init__(message, title=title, print_exception=False)
+
+
+def refusal(error: LoraManagerError) -> gr.Error:
+    """The engine's refusal as the caller sees it: a full queue is busy, a closed engine a failure of the server."""
+    if isinstance(error, EngineClosedError):
+        return gr.Error(str(error))
+    return Refusal(str(error), "Busy" if isinstance(error, QueueFullError) else "Invalid request")
+
+
+class RefusalStatus:
+    """ASGI middleware: on Gradio's direct route, a 500 whose JSON body is a Refusal takes the refusal's 4xx status."""
+
+    DIRECT = ("/gradio_api/run/", "/gradio_api/api/")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(self.DIRECT):
+            return await self.app(scope, receive, send)
+        held: list[dict] = []  # a 500's start and body, until the whole body is read
+
+        async def relay(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 500:
+                held.append(message)
+            elif not held:
+                await send(message)
+            else:
+                held.append(message)
+                if not message.get("more_body"):
+                    body = b"".join(m.get("body", b"") for m in held[1:])
+                    await send({**held[0], "status": _refusal_status(body)})
+                    await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, relay)
+
+
+def _refusal_status(body: bytes) -> int:
+    try:
+        title = json.loads(body).get("title")
+    except (ValueError, AttributeError):
+        return 500
+    return REFUSAL_STATUS.get(title, 500)
+
+
+async def refused_body(request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 for a request body its models refuse, without echoing the values: a NaN or Infinity there
+    (Python's JSON reader takes them) cannot be written back as JSON and made the answer a bare 500."""
+    problems = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in error.errors()]
+    where = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in problems)
+    message = f"The request body is not valid ({where}); send JSON in the documented shape, numbers finite."
+    return JSONResponse({"error": message, "detail": problems}, status_code=422)
 
 
 # ---- presentation helpers (no engine logic) -------------------------------------------------------------------------
@@ -162,7 +241,7 @@ def _text(value, name: str, limit: int) -> str:
     if value is None:
         return ""
     if not isinstance(value, str) or len(value) > limit:
-        raise gr.Error(f"{name} must be text of at most {limit} characters, got {shorten(value)}.")
+        raise Refusal(f"{name} must be text of at most {limit} characters, got {shorten(value)}.")
     return value.strip()
 
 
@@ -173,7 +252,7 @@ def _float(value, name: str, default: float) -> float:
     except (TypeError, ValueError):
         number = math.nan
     if not math.isfinite(number):
-        raise gr.Error(f"{name} must be a number, got {shorten(value)}.")
+        raise Refusal(f"{name} must be a number, got {shorten(value)}.")
     return number
 
 
@@ -221,20 +300,30 @@ def gallery_items(space: Space, request: gr.Request | None = None) -> list[tuple
     return items
 
 
+AdapterMix = str | list[str | list[str | float]]  # an id, or ids and [id, strength] pairs, one per hotswap slot
+
+
 def generate(
     space: Space,
     prompt: str,
-    adapter,
-    strength: float,
-    seed: int,
-    steps: int | None,
+    adapter: AdapterMix = "",
+    strength: float = 1.0,
+    seed: int = 0,
+    steps: int | None = None,
     request: gr.Request | None = None,
     progress=gr.Progress(),
 ):
-    """Generate one image. `adapter`: '' for none, an id, or a list of ids or [id, strength] pairs (one per
-    hotswap slot); `strength` applies to entries without their own; `steps` None for the preset's default.
-    Every value is checked by the engine's request schema; an adapter another visitor added is unknown here.
-    Returns the image and its info."""
+    """Generate one image with a diffusion model and the LoRA adapters chosen for this request.
+
+    Args:
+        prompt: what the image shows, in English.
+        adapter: '' for none, an adapter id, or a list of ids or [id, strength] pairs to combine, one a slot.
+        strength: how strongly each adapter without its own strength applies, -2 to 2 (1 is as trained).
+        seed: the random seed, 0 to 4294967295; the same request with the same seed gives the same image.
+        steps: denoising steps, 1 to 150; empty for the model's default.
+    Returns:
+        the image (PNG) and its info: adapters, seed, swap and generation times.
+    """
     engine, session = space.engine, _session(request)
     total = steps if type(steps) is int and steps > 0 else engine.generation_defaults.get("num_inference_steps", 1)
 
@@ -254,7 +343,7 @@ def generate(
             prompt, adapter=adapter, strength=strength, seed=seed, steps=steps, callback_on_step_end=on_step
         )
     except LoraManagerError as e:
-        raise gr.Error(str(e)) from e
+        raise refusal(e) from e
     stats = engine.stats()
     held = {a.id: a.bytes for a in space.adapters(session) if a.status != "evicted"}
     cache = {
@@ -282,8 +371,15 @@ def add_adapter(
     progress=gr.Progress(track_tqdm=True),
 ) -> str:
     """Download a LoRA from the Hub, check it against the loaded template and register it for this visitor (for
-    everyone where additions are shared); returns a status. A file larger than the template can hold (or the
-    server's cap) is refused from its declared size, before it is downloaded."""
+    everyone where additions are shared). A file larger than the template can hold (or the server's cap) is refused
+    from its declared size, before it is downloaded.
+
+    Args:
+        repo_id: the Hub repository of the LoRA, 'owner/name'.
+        weight_name: the .safetensors file in it; empty when the repository holds one.
+    Returns:
+        a status: the id to pass to generate as its adapter, or why the file was refused.
+    """
     engine, session = space.engine, _session(request)
     repo_id = _text(repo_id, "Hub repo id", MAX_ID_CHARS)
     weight_name = _text(weight_name, "weight name", MAX_ID_CHARS) or None
@@ -305,24 +401,73 @@ def add_adapter(
     return f"**Added** as `{info.id}`. {_details(info)}  \nPick it in the gallery above."
 
 
-def prepare(space: Space, prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra):
-    """UI only: what /generate is sent: the adapters ([id, strength] per filled slot), the prompt (their triggers
-    appended), strength, seed (fresh when randomize is on) and steps. `extra` holds the combine rows: id,
-    strength, ... It refuses what is not text or a number, naming the field; /generate checks the ranges."""
-    prompt = _text(prompt, "Prompt", MAX_PROMPT_CHARS)
-    strength = _float(strength, "Strength", 1.0)
-    rows = [(adapter_id, strength)] + list(zip(extra[::2], extra[1::2], strict=False))
+@dataclass(frozen=True)
+class GenerateForm:
+    """The Generate tab's components that the Generate button reads (the request) and writes (the result)."""
+
+    prompt: gr.Textbox
+    adapter_id: gr.Textbox
+    strength: gr.Slider
+    add_trigger: gr.Checkbox
+    seed: gr.Number
+    randomize: gr.Checkbox
+    steps: gr.Slider
+    extra: tuple[tuple[gr.Dropdown, gr.Slider], ...]  # the combine rows: adapter and strength per further slot
+    image: gr.Image
+    info: gr.JSON
+    panel: gr.Markdown
+
+    @property
+    def inputs(self) -> set:
+        fields = (self.prompt, self.adapter_id, self.strength, self.add_trigger, self.seed, self.randomize, self.steps)
+        return {*fields, *(c for row in self.extra for c in row)}
+
+    @property
+    def outputs(self) -> list:
+        return [self.image, self.info, self.seed, self.panel]
+
+
+def request_of(space: Space, form: GenerateForm, values: dict) -> dict:
+    """The form's values as /generate's named arguments: the adapters ([id, strength] per filled slot), the prompt
+    (their triggers appended when asked), strength, seed (fresh when randomize is on) and steps. It refuses what is
+    not text or a number, naming the field; /generate checks the ranges."""
+    prompt = _text(values[form.prompt], "Prompt", MAX_PROMPT_CHARS)
+    strength = _float(values[form.strength], "Strength", 1.0)
+    rows = [(values[form.adapter_id], strength)] + [(values[a], values[s]) for a, s in form.extra]
     mix = [[_text(i, "adapter", MAX_ID_CHARS), _float(s, "strength", strength)] for i, s in rows if i]
-    for i, _ in mix if add_trigger is True else ():
+    if values[form.add_trigger] is True:
+        prompt = _with_triggers(space.engine, prompt, [i for i, _ in mix])
+    randomize = values[form.randomize] is True
+    seed = random.randint(0, SEED_MAX) if randomize else round(_float(values[form.seed], "Seed", 0.0))
+    steps = round(_float(values[form.steps], "Steps", 0.0)) or None
+    return {"prompt": prompt, "adapter": mix, "strength": strength, "seed": seed, "steps": steps}
+
+
+def _with_triggers(engine: Engine, prompt: str, adapter_ids: list[str]) -> str:
+    """`prompt` with each adapter's trigger words appended once (an unknown id adds none: /generate reports it)."""
+    for adapter_id in adapter_ids:
         try:
-            trigger = space.engine.spec(i).trigger
-        except LoraManagerError:  # unknown id: /generate reports it
+            trigger = engine.spec(adapter_id).trigger
+        except LoraManagerError:
             trigger = ""
         if trigger and trigger not in prompt:
             prompt = f"{prompt}, {trigger}" if prompt else trigger
-    seed = random.randint(0, SEED_MAX) if randomize is True else round(_float(seed, "Seed", 0.0))
-    steps = round(_float(steps, "Steps", 0.0)) or None
-    return mix, prompt, seed, strength, seed, steps
+    return prompt
+
+
+def generate_from_form(
+    space: Space,
+    form: GenerateForm,
+    run: Callable,
+    values: dict,
+    request: gr.Request | None = None,
+    progress=gr.Progress(),
+) -> dict:
+    """The Generate button: the form's request through `run` (/generate's function); the image, its info, the seed
+    used and the info panel, keyed by component."""
+    sent = request_of(space, form, values)
+    image, info = run(**sent, request=request, progress=progress)
+    return {form.image: image, form.info: info, form.seed: sent["seed"], form.panel: info_markdown(info)}
 
 
 def adapter_choices(space: Space, session: str) -> list[tuple[str, str]]:
@@ -350,34 +495,51 @@ def session_closed(space: Space, request: gr.Request | None = None) -> None:
 
 def strategies(repeats: int, progress=gr.Progress()):
     """Time every way of switching adapters on fresh copies of the embedded model, in a process of its own (one
-    torch thread; never the live pipeline), one measurement at a time."""
+    torch thread; never the live pipeline), one measurement at a time: a second caller is told to retry.
+
+    Args:
+        repeats: measurements per strategy, 2 to 20; the median is reported.
+    Returns:
+        the chart, a table of median milliseconds per switch, and the full report.
+    """
     if isinstance(repeats, bool) or not isinstance(repeats, (int, float)) or not 2 <= repeats <= 20:
-        raise gr.Error(f"repeats must be a number between 2 and 20, got {shorten(repeats)}.")
+        raise Refusal(f"repeats must be a number between 2 and 20, got {shorten(repeats)}.")
     if not _STRATEGIES_LOCK.acquire(blocking=False):
-        raise gr.Error("A measurement is already running; try again when it has finished.")
+        raise Refusal("A measurement is already running; retry in a minute, when it has finished.", title="Busy")
     try:
         progress(0, desc="measuring reload, set_adapters, diffusers hotswap and the engine's swap")
         report = _run_bench(int(repeats))
+        from lora_manager.bench import swaps  # matplotlib: loaded when the tab is used, not at start-up
+
+        floor = report["results"]["floor_per_tensor_ms"]
+        rows = [[k.removesuffix("_ms"), round(v, 3), round(v / floor, 2)] for k, v in report["results"].items()]
+        return swaps.make_figure(report), rows, report
     finally:
         _STRATEGIES_LOCK.release()
-    from lora_manager.bench import swaps  # matplotlib: loaded when the tab is used, not at start-up
-
-    floor = report["results"]["floor_per_tensor_ms"]
-    rows = [[k.removesuffix("_ms"), round(v, 3), round(v / floor, 2)] for k, v in report["results"].items()]
-    return swaps.make_figure(report), rows, report
 
 
-def _bind(fn: Callable, space: Space) -> Callable:
-    """`fn` with the Space filled in, as Gradio should see it: the same name, docstring and parameters (minus the
-    Space), so its API page, `gr.Progress`, `gr.Request` and `gr.SelectData` work as for a plain function."""
+def _bind(fn: Callable, *bound) -> Callable:
+    """`fn` with its first arguments (the Space, ...) filled in, as Gradio should see it: the same name, docstring
+    and parameters (minus those), so its API page, `gr.Progress`, `gr.Request` and `gr.SelectData` work as for a
+    plain function."""
 
     @functools.wraps(fn)
-    def bound(*args, **kwargs):
-        return fn(space, *args, **kwargs)
+    def bound_fn(*args, **kwargs):
+        return fn(*bound, *args, **kwargs)
 
     signature = inspect.signature(fn)
-    bound.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
-    return bound
+    bound_fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[len(bound) :])
+    return bound_fn
+
+
+def _api_inputs(fn: Callable) -> list[Api]:
+    """An API-only input for each typed parameter of `fn`, typed from its hints as `gr.api` does: values arrive
+    unconverted, so the request schema (not a component's converter) checks them and names the field it refuses."""
+    return [
+        Api(default if has_default else None, python_type_to_json_schema(hint), name)
+        for name, has_default, default, hint in get_function_params(fn)
+        if hint is not None
+    ]
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------------
@@ -399,47 +561,9 @@ def _header(engine: Engine) -> str:
 
 def _generate_tab(demo: gr.Blocks, space: Space) -> None:
     """The Generate tab and its events: gallery, prompt and settings, image and info, and "Add a LoRA"."""
-    engine = space.engine
-    defaults, combine = engine.generation_defaults, engine.max_adapters > 1
     with gr.Row():
         with gr.Column(scale=3):
-            gallery = gr.Gallery(
-                label="Adapters (click to select)",
-                columns=4,
-                height="auto",
-                allow_preview=False,
-                object_fit="contain",
-                selected_index=0,
-                elem_id="gallery",
-                format="png",
-                interactive=False,
-                buttons=[],
-            )
-            with gr.Row():
-                adapter_id = gr.Textbox(
-                    "", label="adapter_id", placeholder="(none)", interactive=False, scale=1, elem_id="adapter-id"
-                )
-                details = gr.Markdown(_details(None), elem_id="adapter-details")
-            extra = []  # (adapter, strength) per further slot
-            with gr.Accordion(
-                f"Combine LoRAs (up to {engine.max_adapters})", open=False, visible=combine, elem_id="combine"
-            ):
-                for k in range(2, engine.max_adapters + 1):
-                    with gr.Row():
-                        extra.append(
-                            gr.Dropdown(
-                                adapter_choices(space, ""), value="", label=f"adapter {k}", elem_id=f"adapter-{k}"
-                            )
-                        )
-                        extra.append(gr.Slider(0, 2, 1.0, step=0.05, label=f"strength {k}"))
-            prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2, elem_id="prompt")
-            add_trigger = gr.Checkbox(True, label="add trigger words")
-            with gr.Row():
-                strength = gr.Slider(0, 2, 1.0, step=0.05, label="Strength")
-                steps = gr.Slider(1, 50, int(defaults.get("num_inference_steps", 20)), step=1, label="Steps")
-            with gr.Row():
-                seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
-                randomize = gr.Checkbox(False, label="randomize")
+            gallery, (details, fields) = _gallery(demo, space), _request_fields(space)
             run = gr.Button("Generate", variant="primary", elem_id="generate")
         with gr.Column(scale=2):
             image = gr.Image(
@@ -448,50 +572,106 @@ def _generate_tab(demo: gr.Blocks, space: Space) -> None:
             panel = gr.Markdown(info_markdown(None), elem_id="info-panel")
             with gr.Accordion("Full info (JSON)", open=False):
                 info = gr.JSON(label="info")
-    # what /generate receives, as its API documents it; JSON passes values through unconverted, so the
-    # request schema (not a component's converter) checks them and names the field it refuses
-    sent_prompt = gr.Textbox(visible=False, label="prompt")
-    sent_adapters = gr.JSON(visible=False, label="adapter")  # [[id, strength], ...] per filled slot
-    sent_strength = gr.JSON(visible=False, label="strength")
-    sent_seed = gr.JSON(visible=False, label="seed")
-    sent_steps = gr.JSON(visible=False, label="steps")
+    form = GenerateForm(**fields, image=image, info=info, panel=panel)
+    gallery.select(
+        _bind(select, space), form.strength, [form.adapter_id, form.strength, details], api_visibility="private"
+    )
+    _generate_events(space, form, run)
+    _add_box(space, gallery, form)
+
+
+def _gallery(demo: gr.Blocks, space: Space) -> gr.Gallery:
+    """The adapters as tiles (the first is no adapter), this visitor's when the page loads; a closed page lets the
+    visitor's additions go first."""
+    gallery = gr.Gallery(
+        label="Adapters (click to select)",
+        columns=4,
+        height="auto",
+        allow_preview=False,
+        object_fit="contain",
+        selected_index=0,
+        elem_id="gallery",
+        format="png",
+        interactive=False,
+        buttons=[],
+    )
+    demo.load(_bind(gallery_items, space), None, gallery, api_visibility="private", queue=False, show_progress="hidden")
+    demo.unload(_bind(session_closed, space))
+    return gallery
+
+
+def _request_fields(space: Space) -> tuple[gr.Markdown, dict]:
+    """The request's inputs below the gallery: adapter, combine rows, prompt, strength, steps and seed."""
+    engine = space.engine
+    with gr.Row():
+        adapter_id = gr.Textbox(
+            "", label="adapter_id", placeholder="(none)", interactive=False, scale=1, elem_id="adapter-id"
+        )
+        details = gr.Markdown(_details(None), elem_id="adapter-details")
+    extra = []
+    with gr.Accordion(
+        f"Combine LoRAs (up to {engine.max_adapters})", open=False, visible=engine.max_adapters > 1, elem_id="combine"
+    ):
+        for k in range(2, engine.max_adapters + 1):
+            with gr.Row():
+                choice = gr.Dropdown(adapter_choices(space, ""), value="", label=f"adapter {k}", elem_id=f"adapter-{k}")
+                extra.append((choice, gr.Slider(0, 2, 1.0, step=0.05, label=f"strength {k}")))
+    prompt = gr.Textbox("a red circle on a blue background", label="Prompt", lines=2, elem_id="prompt")
+    add_trigger = gr.Checkbox(True, label="add trigger words")
+    with gr.Row():
+        strength = gr.Slider(0, 2, 1.0, step=0.05, label="Strength")
+        default_steps = int(engine.generation_defaults.get("num_inference_steps", 20))
+        steps = gr.Slider(1, 50, default_steps, step=1, label="Steps")
+    with gr.Row():
+        seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
+        randomize = gr.Checkbox(False, label="randomize")
+    fields = dict(prompt=prompt, adapter_id=adapter_id, strength=strength, add_trigger=add_trigger, seed=seed)
+    return details, {**fields, "randomize": randomize, "steps": steps, "extra": tuple(extra)}
+
+
+def _generate_events(space: Space, form: GenerateForm, run: gr.Button) -> None:
+    """/generate for API and MCP clients (typed, API-only inputs) and the Generate button (the form), one function
+    behind both, sharing one concurrency limit."""
+    # ZeroGPU pickles a GPU function's arguments into its worker: the Space is bound before `gpu`, not passed
+    generate_fn = gpu(_bind(generate, space))
+    adapters = ", ".join(f"{a.id} ({a.spec.display_name})" for a in space.engine.adapters())
+    gr.on(
+        [],
+        generate_fn,
+        _api_inputs(_bind(generate, space)),
+        [form.image, form.info],
+        api_name="generate",
+        api_description=f"{inspect.getdoc(generate).splitlines()[0]} Adapters: {adapters or 'none'}.",
+        concurrency_limit=GENERATE_CONCURRENCY,
+        concurrency_id="generate",
+    )
+    run.click(
+        _bind(generate_from_form, space, form, generate_fn),
+        form.inputs,
+        form.outputs,
+        api_visibility="private",
+        concurrency_limit=GENERATE_CONCURRENCY,
+        concurrency_id="generate",
+    )
+
+
+def _add_box(space: Space, gallery: gr.Gallery, form: GenerateForm) -> None:
+    """ "Add a LoRA from the Hub": /add_adapter, then this visitor's gallery and combine choices refreshed."""
     with gr.Accordion("Add a LoRA from the Hub", open=False, elem_id="add-box"):
         with gr.Row():
             repo_id = gr.Textbox("", label="Hub repo id", placeholder="owner/name", elem_id="repo-id")
             weight_name = gr.Textbox("", label="weight name (optional)", placeholder="lora.safetensors")
         add = gr.Button("Add", elem_id="add")
         status = gr.Markdown(label="status", elem_id="add-status")
-
-    gallery_of = _bind(gallery_items, space)
-    demo.load(gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden")
-    demo.unload(_bind(session_closed, space))
-    gallery.select(_bind(select, space), strength, [adapter_id, strength, details], api_visibility="private")
-    (
-        run.click(
-            _bind(prepare, space),
-            [prompt, adapter_id, strength, add_trigger, seed, randomize, steps, *extra],
-            [sent_adapters, sent_prompt, seed, sent_strength, sent_seed, sent_steps],
-            api_visibility="private",
-            queue=False,
-        )
-        # ZeroGPU pickles a GPU function's arguments into its worker: the Space is bound before `gpu`, not passed
-        .success(
-            gpu(_bind(generate, space)),
-            [sent_prompt, sent_adapters, sent_strength, sent_seed, sent_steps],
-            [image, info],
-            api_name="generate",
-            concurrency_limit=GENERATE_CONCURRENCY,
-        )
-        .then(info_markdown, info, panel, api_visibility="private", queue=False)
+    added = add.click(_bind(add_adapter, space), [repo_id, weight_name], status, api_name="add_adapter")
+    added.then(
+        _bind(gallery_items, space), None, gallery, api_visibility="private", queue=False, show_progress="hidden"
     )
-    added = add.click(_bind(add_adapter, space), [repo_id, weight_name], status, api_name="add_adapter").then(
-        gallery_of, None, gallery, api_visibility="private", queue=False, show_progress="hidden"
-    )
-    if extra:
+    if form.extra:
         added.then(
             _bind(refreshed_choices, space),
             None,
-            extra[::2],
+            [dropdown for dropdown, _ in form.extra],
             api_visibility="private",
             queue=False,
             show_progress="hidden",
@@ -577,10 +757,31 @@ def _env_int(name: str) -> int | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    _model_args(p)
+    _visitor_args(p)
+    p.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default=os.environ.get("LORA_BACKEND", "local"),
+        help="local: the engine in this process; ray: a `python -m lora_manager serve` deployment",
+    )
+    p.add_argument(
+        "--ray-url",
+        default=os.environ.get("LORA_RAY_URL", "http://127.0.0.1:8000"),
+        help="the Ray Serve deployment's HTTP address (with --backend ray)",
+    )
+    p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
+    p.add_argument("--share", action="store_true")
+    return p.parse_args(argv)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
-        default=os.environ.get("LORA_PRESET", "tiny"),
-        help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default tiny)",
+        default=os.environ.get("LORA_PRESET") or None,
+        help="tiny, sd15, sdxl, flux or a catalog .json path (env LORA_PRESET; default: with CUDA the preset for the "
+        "README's suggested_hardware, else tiny)",
     )
     p.add_argument(
         "--dtype",
@@ -614,6 +815,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=int(os.environ.get("LORA_MAX_BATCH", 4)),
         help="requests run in one pipeline call, whatever their LoRAs (env LORA_MAX_BATCH; default 4)",
     )
+
+
+def _visitor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-adapter-mb",
         type=int,
@@ -644,26 +848,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=bool(_env_bool("LORA_SHARED_ADDITIONS")),
         help="every visitor sees every addition (env LORA_SHARED_ADDITIONS=1; default: per visitor)",
     )
-    p.add_argument(
-        "--backend",
-        choices=("local", "ray"),
-        default=os.environ.get("LORA_BACKEND", "local"),
-        help="local: the engine in this process; ray: a `python -m lora_manager serve` deployment",
-    )
-    p.add_argument(
-        "--ray-url",
-        default=os.environ.get("LORA_RAY_URL", "http://127.0.0.1:8000"),
-        help="the Ray Serve deployment's HTTP address (with --backend ray)",
-    )
-    p.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
-    p.add_argument("--share", action="store_true")
-    return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    imports_s = time.time() - _T0
-    args = parse_args(argv)
+@dataclass(frozen=True)
+class PresetChoice:
+    """The preset the app runs and why, for the ready line."""
+
+    preset: str
+    reason: str
+
+
+def choose_preset(
+    requested: str | None, cuda_available: bool, hardware: str | None, preset_hardware: dict[str, str | None]
+) -> PresetChoice:
+    """The preset asked for; else, with CUDA, the first preset built for `hardware` (the Space's suggested hardware;
+    `preset_hardware` in order of preference); else the embedded tiny model, which needs no GPU and no network."""
+    if requested:
+        return PresetChoice(requested, "asked for")
+    if not cuda_available:
+        return PresetChoice("tiny", "no CUDA device; LORA_PRESET picks another")
+    for preset, built_for in preset_hardware.items():
+        if hardware and built_for == hardware:
+            return PresetChoice(preset, f"CUDA on {hardware}, the README's suggested_hardware")
+    return PresetChoice("tiny", f"no preset is built for {hardware or 'unnamed hardware'}; LORA_PRESET picks one")
+
+
+def suggested_hardware(readme: Path) -> str | None:
+    """`suggested_hardware` from the README's front matter (the Space's configuration), None without one."""
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    front = text.split("\n---", 1)[0] if text.startswith("---") else ""
+    found = re.search(r"^suggested_hardware:\s*(\S+)", front, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def preset_hardware() -> dict[str, str | None]:
+    """The hardware each built-in GPU preset's catalog is sized for, in GPU_PRESETS' order."""
+    return {name: json.loads((PRESETS / name / "catalog.json").read_text()).get("hardware") for name in GPU_PRESETS}
+
+
+def default_preset(requested: str | None) -> PresetChoice:
+    # ZeroGPU's `spaces` reports CUDA in this process, which has no device until a GPU function runs: tiny there
+    cuda = torch.cuda.is_available() and not ZERO_GPU
+    return choose_preset(requested, cuda, suggested_hardware(Path(__file__).with_name("README.md")), preset_hardware())
+
+
+def start_engine(args: argparse.Namespace, preset: str) -> Engine:
+    """The engine the flags ask for: in this process (eager on ZeroGPU and with an AOT package) or on Ray Serve."""
     kwargs = {
         "target_rank": args.target_rank,
         "slots": args.slots,
@@ -679,23 +909,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ZeroGPU: {ZERO_GPU_NOTE}", flush=True)
     try:
         if args.backend == "ray":
-            manager = RemoteManager(args.ray_url, args.preset)
-        else:
-            manager = LoraManager.from_preset(args.preset, compile=compile_, **kwargs)
+            return RemoteManager(args.ray_url, preset)
+        return LoraManager.from_preset(preset, compile=compile_, **kwargs)
     except (ValueError, LoraManagerError) as e:  # unknown preset, bad catalog: one line, no traceback
         raise SystemExit(f"app.py: {e}") from e
-    manager.startup_s = {"imports": imports_s, **manager.startup_s}
-    launch_t0 = time.time()
-    for adapter_id, reason in manager.refused.items():
-        print(f"skipped adapter {adapter_id}: {reason}", flush=True)
-    additions = Additions(
-        per_session=args.additions_per_visitor,
-        max_count=args.max_additions,
-        max_bytes=args.additions_mb * 2**20,
-        shared=args.shared_additions,
-    )
-    cap = args.max_adapter_mb * 2**20 if args.max_adapter_mb is not None else None
-    demo = build_demo(manager, additions, cap)
+
+
+def launch(demo: gr.Blocks, manager: Engine, args: argparse.Namespace) -> None:
+    """Queue and serve `demo` (an MCP server too), the previews readable and uploads refused; returns at once."""
     demo.queue(default_concurrency_limit=1, max_size=64)
     previews = {str(p.parent) for a in manager.adapters() if (p := manager.asset_path(a.spec.preview))}
     none = manager.asset_path("previews/none.png")
@@ -708,11 +929,37 @@ def main(argv: list[str] | None = None) -> None:
         allowed_paths=sorted(previews | ({str(none.parent)} if none else set())),
         max_file_size=MAX_UPLOAD,
         show_error=True,
+        mcp_server=True,
+        app_kwargs={
+            "middleware": [Middleware(RefusalStatus)],
+            "exception_handlers": {RequestValidationError: refused_body},
+        },
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    imports_s = time.time() - STARTED
+    args = parse_args(argv)
+    choice = default_preset(args.preset)
+    manager = start_engine(args, choice.preset)
+    manager.startup_s = {"imports": imports_s, **manager.startup_s}
+    launch_t0 = time.time()
+    for adapter_id, reason in manager.refused.items():
+        print(f"skipped adapter {adapter_id}: {reason}", flush=True)
+    additions = Additions(
+        per_session=args.additions_per_visitor,
+        max_count=args.max_additions,
+        max_bytes=args.additions_mb * 2**20,
+        shared=args.shared_additions,
+    )
+    cap = args.max_adapter_mb * 2**20 if args.max_adapter_mb is not None else None
+    demo = build_demo(manager, additions, cap)
+    launch(demo, manager, args)
     manager.startup_s["ui_launch"] = time.time() - launch_t0
     print(
-        f"ready in {time.time() - _T0:.1f} s at {demo.local_url} (preset {args.preset}, "
-        f"compiled: {manager.compile_source}, {len(manager.adapters())} adapters; {_phases(manager.startup_s)})",
+        f"ready in {time.time() - STARTED:.1f} s at {demo.local_url} (preset {choice.preset}, "
+        f"compiled: {manager.compile_source}, {len(manager.adapters())} adapters; {_phases(manager.startup_s)}; "
+        f"preset: {choice.reason})",
         flush=True,
     )
     demo.block_thread()

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import os
 
@@ -13,20 +15,48 @@ import pytest
 from lora_manager import testing
 from lora_manager.testing import levels
 
-from helpers import APP_MARKS, CATALOG, PRESET, PROMPT, READY_TIMEOUT_S, ROOT, adapter_ids, running_app
+from helpers import APP_MARKS, CATALOG, PROMPT, READY_TIMEOUT_S, ROOT, adapter_ids, running_app
 
 pytestmark = APP_MARKS
 
 
 def test_the_app_prints_nothing_but_its_own_lines_before_ready():
-    """No third-party warning, progress bar or load report before "ready": only Gradio's URL lines and the app's."""
-    with testing.running_app(
-        ROOT / "app.py", [], {**os.environ, "HF_HUB_OFFLINE": "1", "LORA_PRESET": PRESET}, READY_TIMEOUT_S
-    ) as (_, output):
+    """No third-party warning, progress bar or load report before "ready": only Gradio's URL lines (the app's and its
+    MCP server's) and the app's. Started as a Space starts it, with no LORA_PRESET, on a machine without CUDA: the
+    tiny preset, and the ready line says why."""
+    env = {k: v for k, v in os.environ.items() if k != "LORA_PRESET"} | {
+        "HF_HUB_OFFLINE": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    with testing.running_app(ROOT / "app.py", [], env, READY_TIMEOUT_S) as (_, output):
         lines = output.splitlines()
+    gradio_lines = (
+        "* Running on local URL",
+        "* To create a public link",
+        "🔨 Launching MCP server:",
+        "* Streamable HTTP",
+    )
     assert lines[-1].startswith("ready in ") and all(
-        line.startswith(("* Running on local URL", "* To create a public link")) for line in lines[:-1]
+        line.startswith(gradio_lines) or not line for line in lines[:-1]
     ), output
+    assert "(preset tiny, " in lines[-1] and lines[-1].endswith("preset: no CUDA device; LORA_PRESET picks another)")
+
+
+def test_the_default_preset_fits_the_hardware():
+    """With CUDA and no preset asked for, the app runs the preset whose catalog is sized for the README's
+    suggested_hardware (the hardware the Space asks for); without CUDA, or on hardware no preset is for, tiny."""
+    import app
+
+    hardware = app.suggested_hardware(ROOT / "README.md")
+    catalogs = app.preset_hardware()
+    on_gpu = app.choose_preset(None, True, hardware, catalogs)
+    assert on_gpu.preset != "tiny" and catalogs[on_gpu.preset] == hardware and hardware in on_gpu.reason
+    assert on_gpu.preset == next(name for name, built_for in catalogs.items() if built_for == hardware)
+    assert app.choose_preset(None, False, hardware, catalogs).preset == "tiny"
+    assert app.choose_preset(None, True, "cpu-basic", catalogs) == app.PresetChoice(
+        "tiny", "no preset is built for cpu-basic; LORA_PRESET picks one"
+    )
+    assert app.choose_preset("sdxl", False, hardware, catalogs) == app.PresetChoice("sdxl", "asked for")
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +177,42 @@ def test_strategies_tab_measures_every_option(client):
         assert results[key] > 0, key
     assert report["check"]["ok"] and len(report["resident"]["forward_ms"]) == 4
     assert {row[0] for row in table["data"]} >= {"engine_swap", "diffusers_hotswap"}
+
+
+def test_mcp_generate_tool_gives_the_api_image(client):
+    """The Space as an MCP server, through the `mcp` SDK's streamable-HTTP client: the public endpoints are its tools
+    (no UI event among them), and generate, typed and documented, returns the image /generate returns."""
+    import asyncio
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from PIL import Image
+
+    async def session_calls():
+        async with streamable_http_client(f"{client.src.rstrip('/')}/gradio_api/mcp/") as (read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+                progress = []  # Gradio's MCP server sends every output (image and info) to clients that follow progress
+
+                async def on_progress(done, total, message):
+                    progress.append(message)
+
+                request = {"prompt": PROMPT, "adapter": adapter_ids()[1], "strength": 0.8, "seed": 4, "steps": 3}
+                result = await session.call_tool("generate", request, progress_callback=on_progress)
+                refused = await session.call_tool("generate", {"prompt": PROMPT, "adapter": "no-such-adapter"})
+                return tools, result, refused, progress
+
+    tools, result, refused, progress = asyncio.run(session_calls())
+    assert set(tools) == {"generate", "add_adapter", "strategies"}, set(tools)
+    schema = tools["generate"].inputSchema
+    assert schema["required"] == ["prompt"] and schema["properties"]["seed"]["type"] == "integer"
+    assert all(schema["properties"][name]["description"] for name in ("prompt", "adapter", "strength", "seed", "steps"))
+    assert adapter_ids()[1] in tools["generate"].description
+    images = [c for c in result.content if c.type == "image"]
+    assert not result.isError and len(images) == 1 and images[0].mimeType == "image/png", result.content
+    assert any("swapping adapter" in (m or "") for m in progress), progress
+    tool_image = Image.open(io.BytesIO(base64.b64decode(images[0].data))).convert("RGB")
+    api_image, _ = client.predict(PROMPT, adapter_ids()[1], 0.8, 4, 3, api_name="/generate")
+    assert levels(tool_image, Image.open(api_image).convert("RGB")) <= 1
+    assert refused.isError and "Unknown adapter 'no-such-adapter'" in refused.content[0].text
