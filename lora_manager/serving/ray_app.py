@@ -357,7 +357,8 @@ class Ingress:
             status = openai_status(e)
             self.count("/v1/images/generations", label, outcome(status), t0)
             retry = self.retry_after() if status == 429 else None
-            return openai_refusal(status, str(e), getattr(e, "field", None), retry)
+            param = getattr(e, "field", None)  # a fault of the whole body names no parameter, as OpenAI's own API
+            return openai_refusal(status, str(e), None if param == "body" else param, retry)
         self.count("/v1/images/generations", label, "success", t0)
         data = [{"b64_json": a["image_png_base64"], "revised_prompt": None} for a in answers]
         return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{req.width}x{req.height}"}
