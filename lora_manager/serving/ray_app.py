@@ -2,6 +2,8 @@
 
     python -m lora_manager serve --replicas 2 [--preset tiny] [--port 8000] [--routing affinity|default]
 
+`POST /v1/images/generations` and `GET /v1/models` speak the OpenAI Images API (`openai_api.py`; errors in its
+shape, 429 with `Retry-After` past `max_queued`), `GET /metrics` the Prometheus text format (`metrics.py`).
 `POST /generate` takes JSON {"prompt", "adapter", "strength", "seed", "steps"} and answers {"image_png_base64",
 "info"} (info as in `Result.info`, plus the replica that served it). A refused request gets a 4xx with
 {"error": message, "field": the field at fault or null} (the engine's request schema, checked before anything is
