@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--rounds", type=int, default=3, help="the batching servers run in turn this many times")
     load.set_defaults(func=cmd_loadtest)
 
-    srv = sub.add_parser("serve", help="Ray Serve: N replicas behind POST /generate, routed by adapter")
+    srv = sub.add_parser("serve", help="Ray Serve: N replicas behind the OpenAI Images API and POST /generate")
     srv.add_argument("--replicas", type=int, default=2)
     srv.add_argument("--preset", default="tiny")
     srv.add_argument(
@@ -291,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--address", default=None, help="Ray cluster address (default: start Ray locally)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--max-queued",
+        type=int,
+        default=64,
+        help="images queued beyond what the replicas run at once; more are refused with 429/503 and Retry-After",
+    )
     srv.set_defaults(func=cmd_serve)
 
     sbn = sub.add_parser("servebench", help="Ray Serve on a local Ray: default vs affinity routing, a replica killed")

@@ -235,10 +235,11 @@ def _app_pid(url: str) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`python -m lora_manager serve` with one replica and two slots on a free port."""
+    """`python -m lora_manager serve` with one replica and two slots on a free port, admitting 6 images at once (4 the
+    replica runs, 2 queued)."""
     pytest.importorskip("ray")
     port = free_port()
-    args = ["--replicas", "1", "--slots", "2", "--port", str(port)]
+    args = ["--replicas", "1", "--slots", "2", "--port", str(port), "--max-queued", "2"]
     with running_serve(args, port, tmp_path_factory.mktemp("serve") / "serve.log") as url:
         yield url
 
@@ -309,3 +310,87 @@ def test_http_info_names_models_as_users_know_them(server, http_baseline):
         )
     assert [a.status_code for a in answers] == [200, 400] * 3
     assert http_digest(server) == http_baseline
+
+
+# ---- the OpenAI routes of the same server ---------------------------------------------------------------------------
+
+IMAGES = {"model": "frame", "prompt": PROMPT, "steps": 2}  # NORMAL as an OpenAI Images API request
+HUGE = 3_000_000  # characters: over MAX_BODY_BYTES
+
+# (case, the request body (a raw string is sent as is), the status, the param the error must name)
+OPENAI_HOSTILE = [
+    ("unknown model", {**IMAGES, "model": "nope"}, 404, "model"),
+    ("model id of 100 KB", {**IMAGES, "model": "x" * 60_000}, 404, "model"),
+    ("model a number", {**IMAGES, "model": 5}, 400, "model"),
+    ("unknown adapter in adapters", {**IMAGES, "model": None, "adapters": ["frame", "nope"]}, 404, "adapters"),
+    ("adapters beside another model", {**IMAGES, "adapters": ["dots"]}, 400, "model"),
+    ("more adapters than slots", {**IMAGES, "model": None, "adapters": ["frame", "dots", "pixel"]}, 400, "adapters"),
+    ("adapters an object", {**IMAGES, "model": None, "adapters": {"frame": 1}}, 400, "adapters"),
+    ("size not WxH", {**IMAGES, "size": "big"}, 400, "size"),
+    ("size not a multiple", {**IMAGES, "size": "65x64"}, 400, "size"),
+    ("size too large", {**IMAGES, "size": "4096x4096"}, 400, "size"),
+    ("size a number", {**IMAGES, "size": 64}, 400, "size"),
+    ("response_format url", {**IMAGES, "response_format": "url"}, 400, "response_format"),
+    ("output_format webp", {**IMAGES, "output_format": "webp"}, 400, "output_format"),
+    ("n zero", {**IMAGES, "n": 0}, 400, "n"),
+    ("n eleven", {**IMAGES, "n": 11}, 400, "n"),
+    ("n as text", {**IMAGES, "n": "2"}, 400, "n"),
+    ("n past the seeds", {**IMAGES, "n": 2, "seed": 2**32 - 1}, 400, "seed"),
+    ("seed negative", {**IMAGES, "seed": -1}, 400, "seed"),
+    ("steps too many", {**IMAGES, "steps": 1000}, 400, "steps"),
+    ("strength as text", {**IMAGES, "strength": "abc"}, 400, "strength"),
+    ("guidance_scale NaN", '{"model": "frame", "prompt": "a", "guidance_scale": NaN}', 400, "guidance_scale"),
+    ("guidance_scale huge", {**IMAGES, "guidance_scale": 1e9}, 400, "guidance_scale"),
+    ("an unsupported field", {**IMAGES, "quality": "hd"}, 400, "quality"),
+    ("no prompt", {"model": "frame"}, 400, "prompt"),
+    ("prompt a list", {**IMAGES, "prompt": ["a"]}, 400, "prompt"),
+    ("prompt of 3 MB", {**IMAGES, "prompt": "a" * HUGE}, 413, None),
+    ("not JSON", "{model: frame", 400, None),
+    ("a JSON array", "[1, 2]", 400, None),
+]
+
+
+def images(url: str, body) -> httpx.Response:
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{url}/v1/images/generations", timeout=300, headers=headers, **kwargs)
+
+
+def images_digest(url: str) -> str:
+    r = images(url, IMAGES)
+    assert r.status_code == 200, r.text[:500]
+    return _digest_png(base64.b64decode(r.json()["data"][0]["b64_json"]))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("case,body,status,param", OPENAI_HOSTILE, ids=[c for c, *_ in OPENAI_HOSTILE])
+def test_openai_route_refuses_naming_the_param(server, http_baseline, case, body, status, param):
+    r = images(server, body)
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    error = r.json()["error"]
+    assert set(r.json()) == {"error"} and set(error) == {"message", "type", "param", "code"}, r.text[:500]
+    assert error["param"] == param and len(error["message"]) < MAX_ECHO, error
+    assert "Traceback" not in r.text and str(ROOT) not in r.text
+    assert images_digest(server) == http_baseline  # the same request on /generate: the same pixels
+
+
+@pytest.mark.ray
+def test_openai_route_answers_429_with_retry_after_past_the_queue(server, http_baseline):
+    """Two requests for 4 images at once against a limit of 6 in flight: one runs, the other is refused at once and
+    the OpenAI client raises its RateLimitError; a later request runs as before."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+
+    def call(_):
+        try:
+            return client.images.generate(model="frame", prompt=PROMPT, n=4, extra_body={"steps": 2})
+        except openai.RateLimitError as e:
+            return e
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(call, range(2)))
+    refused = [a for a in answers if isinstance(a, openai.RateLimitError)]
+    assert len(refused) == 1, answers
+    assert int(refused[0].response.headers["retry-after"]) >= 1 and refused[0].body["param"] is None
+    assert images_digest(server) == http_baseline

@@ -89,3 +89,109 @@ def test_the_app_runs_on_the_ray_backend(deployment, report):
             client.predict(PROMPT, [a, b], 1.0, 0, 2, api_name="/generate")
         status = client.predict("tester/copy", "", api_name="/add_adapter")
         assert "needs the in-process engine" in status
+
+
+@pytest.fixture(scope="module")
+def openai_client(deployment):
+    """The OpenAI Python client on the affinity app (no retries: a refusal must surface as its typed error)."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{deployment}/affinity/v1", api_key="x", max_retries=0)
+
+
+@pytest.mark.ray
+def test_openai_client_lists_adapters_and_generates_the_engines_images(openai_client):
+    import base64
+    import io
+
+    import openai
+    from PIL import Image
+
+    from lora_manager import LoraManager
+
+    from helpers import PROMPT
+
+    engine = LoraManager.from_preset("tiny")
+    models = {m.id: m for m in openai_client.models.list()}
+    base = engine.model_name
+    assert set(models) == {base, *(a.id for a in engine.adapters())}
+    assert models[base].parent is None and models[base].root == base
+    assert all(m.parent == base and m.root == base for i, m in models.items() if i != base)
+    adapter = engine.adapters()[0].id
+    extra = {"seed": 3, "steps": 2, "strength": 0.8, "guidance_scale": 5.0}
+    answer = openai_client.images.generate(model=adapter, prompt=PROMPT, n=2, size="64x64", extra_body=extra)
+    assert answer.size == "64x64" and len(answer.data) == 2
+    for i, image in enumerate(answer.data):
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(image.b64_json))).convert("RGB"), dtype=int)
+        solo = engine.generate(PROMPT, adapter, 0.8, 3 + i, 2, guidance_scale=5.0).image
+        assert np.abs(got - np.asarray(solo, dtype=int)).max() <= 1, f"image {i} (seed {3 + i})"
+    refusals = [
+        (openai.NotFoundError, "model", {"model": "no-such-adapter"}),
+        (openai.BadRequestError, "size", {"model": adapter, "size": "63x64"}),
+        (openai.BadRequestError, "response_format", {"model": adapter, "response_format": "url"}),
+        (openai.BadRequestError, "steps", {"model": adapter, "extra_body": {"steps": 0}}),
+    ]
+    for kind, param, kwargs in refusals:
+        with pytest.raises(kind) as refused:
+            openai_client.images.generate(prompt=PROMPT, **kwargs)
+        assert refused.value.body["param"] == param, refused.value.body
+
+
+METRIC_FAMILIES = {
+    "lora_requests": "counter",
+    "lora_request_latency_seconds": "histogram",
+    "lora_batch_size": "histogram",
+    "lora_swap_seconds": "histogram",
+    "lora_ingress_in_flight": "gauge",
+    "lora_queue_depth": "gauge",
+    "lora_recompiles": "counter",
+    "lora_swaps": "counter",
+    "lora_adapter_cache_bytes": "gauge",
+    "lora_adapter_cache_hits": "counter",
+    "lora_adapter_cache_misses": "counter",
+    "lora_adapter_cache_evictions": "counter",
+    "lora_requests_info": "gauge",
+}
+
+
+def scrape(url: str) -> dict:
+    """`GET /metrics` read by prometheus_client's own parser: {family name: family}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics", timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:300]
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def sample(families: dict, name: str, **labels) -> float:
+    """The sum of the samples called `name` (`_total`, `_count`... included) whose labels hold `labels`."""
+    found = [
+        s.value for f in families.values() for s in f.samples if s.name == name and labels.items() <= s.labels.items()
+    ]
+    return sum(found)
+
+
+@pytest.mark.ray
+def test_metrics_hold_every_family_and_count_requests(deployment, openai_client):
+    import openai
+
+    from helpers import PROMPT
+
+    url = f"{deployment}/affinity"
+    before = scrape(url)
+    assert {n: before[n].type for n in METRIC_FAMILIES if n in before} == METRIC_FAMILIES
+    adapter = next(m.id for m in openai_client.models.list() if m.parent)
+    openai_client.images.generate(model=adapter, prompt=PROMPT, n=2, extra_body={"steps": 2})
+    with pytest.raises(openai.NotFoundError):
+        openai_client.images.generate(model="no-such-adapter", prompt=PROMPT)
+    after = scrape(url)
+    route = "/v1/images/generations"
+    moved = lambda name, **labels: sample(after, name, **labels) - sample(before, name, **labels)  # noqa: E731
+    assert moved("lora_requests_total", route=route, adapter=adapter, outcome="success") == 1
+    assert moved("lora_requests_total", route=route, outcome="not_found") == 1
+    assert moved("lora_request_latency_seconds_count", route=route) == 2
+    assert moved("lora_batch_size_count") == 2 and moved("lora_swap_seconds_count") == 2
+    info = [s for s in after["lora_requests_info"].samples if s.name == "lora_requests_info"]
+    assert info and all({"running_lora_adapters", "waiting_lora_adapters", "max_lora"} <= set(s.labels) for s in info)
+    assert any(adapter in s.labels["running_lora_adapters"].split(",") for s in info)
+    assert sample(after, "lora_adapter_cache_bytes") > 0

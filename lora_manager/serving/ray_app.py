@@ -2,6 +2,8 @@
 
     python -m lora_manager serve --replicas 2 [--preset tiny] [--port 8000] [--routing affinity|default]
 
+`POST /v1/images/generations` and `GET /v1/models` speak the OpenAI Images API (`openai_api.py`; errors in its
+shape, 429 with `Retry-After` past `max_queued`), `GET /metrics` the Prometheus text format (`metrics.py`).
 `POST /generate` takes JSON {"prompt", "adapter", "strength", "seed", "steps"} and answers {"image_png_base64",
 "info"} (info as in `Result.info`, plus the replica that served it). A refused request gets a 4xx with
 {"error": message, "field": the field at fault or null} (the engine's request schema, checked before anything is
@@ -19,12 +21,16 @@ a retry returns the same image and each request gets exactly one answer).
 import asyncio  # no `from __future__ import annotations`: FastAPI reads the body type at runtime
 import json
 import logging
-from collections import Counter
+import math
+import statistics
+import time
+from collections import Counter, deque
 from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -33,6 +39,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from ..errors import LoraManagerError, QueueFullError, RequestError, UnknownAdapterError
 from ..request_schema import FIELDS, MAX_BODY_BYTES, check_request, shorten
+from .metrics import ServeMetrics, replica_state
+from .openai_api import NotFoundError, Pipeline, error_body, models_list, parse_images_request
 from .protocol import answer_body, request_body
 from .routing import rank_by_affinity
 
@@ -60,7 +68,7 @@ class BodyTooLargeError(RequestError):
     """Answered with 413."""
 
 
-async def read_body(request: Request) -> dict[str, Any]:
+async def read_json(request: Request) -> dict[str, Any]:
     """The JSON object of a request, read in chunks up to `MAX_BODY_BYTES`; raises RequestError."""
     raw = bytearray()
     async for chunk in request.stream():
@@ -72,9 +80,13 @@ async def read_body(request: Request) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(f"request body is not valid JSON ({e.__class__.__name__}).", field="body") from e
     if not isinstance(body, dict):
-        raise RequestError(
-            f"request body must be a JSON object with {list(FIELDS)}, got {shorten(body)}.", field="body"
-        )
+        raise RequestError(f"request body must be a JSON object, got {shorten(body)}.", field="body")
+    return body
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """A `/generate` body: its JSON object with the fields of `FIELDS` only; raises RequestError."""
+    body = await read_json(request)
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(
@@ -83,6 +95,16 @@ async def read_body(request: Request) -> dict[str, Any]:
     if "prompt" not in body:
         raise RequestError("prompt is missing.", field="prompt")
     return {**request_body(body["prompt"]), **body}  # every field but the prompt may be left out
+
+
+def openai_refusal(status: int, message: str, param: str | None, retry_after: int | None = None) -> JSONResponse:
+    """An error in OpenAI's shape; a full queue adds `Retry-After`."""
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse(error_body(message, param, status), status_code=status, headers=headers)
+
+
+class ServerBusyError(QueueFullError):
+    """More images in flight than the ingress admits: answered with 429 (OpenAI routes) or 503 (`/generate`)."""
 
 
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
@@ -114,6 +136,47 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
         self._in_flight[replica_id.unique_id] = max(0, self._in_flight[replica_id.unique_id] - 1)
 
 
+def accepted_size(manager) -> dict[str, Any]:
+    """The default image size and the multiple each side must be (the VAE's scale factor, twice that where the
+    pipeline packs 2x2 latent patches as Flux does); a compiled denoiser serves its default size only."""
+    pipe, defaults = manager.pipe, manager.generation_defaults
+    scale = int(getattr(pipe, "vae_scale_factor", 8)) * (2 if hasattr(pipe, "_pack_latents") else 1)
+    sample = getattr(pipe, "default_sample_size", None) or getattr(pipe.unet.config, "sample_size", 64)
+    return {
+        "width": int(defaults.get("width") or sample * scale),
+        "height": int(defaults.get("height") or sample * scale),
+        "multiple": scale,
+        "fixed": bool(manager.compiled),
+    }
+
+
+class ReplicasLostError(LoraManagerError):
+    """Every attempt's replica died: answered with 503."""
+
+
+def generate_status(e: LoraManagerError) -> int:
+    """`/generate`'s status for a refusal: 413 too large, 503 busy, 400 a bad request, 500 a fault."""
+    if isinstance(e, BodyTooLargeError):
+        return 413
+    if isinstance(e, (QueueFullError, ReplicasLostError)):
+        return 503
+    return 400 if isinstance(e, RequestError) else 500
+
+
+def openai_status(e: LoraManagerError) -> int:
+    """The OpenAI routes' status: as `/generate`'s, but 404 for an unknown model and 429 for a full queue."""
+    if isinstance(e, NotFoundError):
+        return 404
+    return 429 if isinstance(e, QueueFullError) else generate_status(e)
+
+
+def outcome(status: int) -> str:
+    """The `outcome` label of `lora_requests_total`."""
+    if status < 400:
+        return "success"
+    return {404: "not_found", 429: "busy", 503: "busy"}.get(status, "refused" if status < 500 else "error")
+
+
 @serve.deployment
 class LoraReplica:
     """One replica: one pipeline, one template, one CPU adapter cache."""
@@ -143,22 +206,34 @@ class LoraReplica:
         return adapter_id
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The image and info, or the engine's refusal as {"error", "field", "status"}."""
+        """The image, info and this replica's state, or the engine's refusal as {"error", "field", "status"}.
+        `params` (OpenAI route only): pipeline keywords the ingress checked (size, guidance_scale)."""
         try:
             if serve.get_multiplexed_model_id():  # the routing key: the request's (first) adapter
                 await self.adapter(serve.get_multiplexed_model_id())
             result = await asyncio.to_thread(
-                self.manager.generate, body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"]
+                self.manager.generate,
+                body["prompt"],
+                body["adapter"],
+                body["strength"],
+                body["seed"],
+                body["steps"],
+                **body.get("params", {}),
             )
         except LoraManagerError as e:
             return error_answer(e)
-        return answer_body(result, replica=self.name)
+        return {**answer_body(result, replica=self.name), "replica_state": self.state()}
+
+    def state(self) -> dict[str, Any]:
+        """This replica's queue, adapters and cache, for `/metrics`."""
+        return replica_state(self.manager, self.name)
 
     def describe(self) -> dict[str, Any]:
         """What a front end needs to present this replica's engine (`remote.RemoteManager`)."""
         m = self.manager
         return {
             "replica": self.name,
+            "base_model": m.model_name,
             "target_rank": m.target_rank,
             "slots": m.max_adapters,
             "compiled": m.compiled,
@@ -166,30 +241,41 @@ class LoraReplica:
             "adapters": [a.as_dict() for a in m.adapters()],
             "refused": m.refused,
             "stats": m.stats(),
+            "size": accepted_size(m),
         }
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})  # it only awaits replicas: no core of its own
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)  # it only awaits replicas
 @serve.ingress(api)
 class Ingress:
-    """HTTP front: validates the body, tags the call with its adapter, retries when a replica dies."""
+    """HTTP front: validates the body, tags the call with its adapter, retries when a replica dies, counts metrics.
+    Admits up to `max_images` images in flight (the replicas' capacity plus a queue); more answer 429/503."""
 
-    def __init__(self, replicas: DeploymentHandle):
+    def __init__(self, replicas: DeploymentHandle, max_images: int = 64):
         self.replicas = replicas
-        self.slots: int | None = None  # the replicas' hotswap slots, asked once
+        self.max_images = max_images
+        self.described: dict[str, Any] | None = None  # one replica's `describe`, asked once
+        self.metrics = ServeMetrics()
+        self.in_flight = 0
+        self.created = int(time.time())
+        self.latencies: deque[float] = deque(maxlen=64)  # seconds, of the latest requests
 
-    @api.post("/generate")
-    async def generate(self, request: Request):
-        try:
-            body = await read_body(request)
-            if self.slots is None:
-                self.slots = (await self.replicas.describe.remote())["slots"]
-            req = check_request(
-                body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"], self.slots
-            )
-        except RequestError as e:
-            return refusal(413 if isinstance(e, BodyTooLargeError) else 400, str(e), e.field)
-        handle = self.replicas.options(multiplexed_model_id=req.adapters[0][0] if req.adapters else "")
+    async def describe(self) -> dict[str, Any]:
+        if self.described is None:
+            self.described = await self.replicas.describe.remote()
+        return self.described
+
+    async def pipeline(self) -> Pipeline:
+        """What the replicas' pipeline accepts (every replica runs the same preset)."""
+        return Pipeline.from_describe(await self.describe(), self.created)
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the median latency of recent requests, at least one."""
+        return max(1, math.ceil(statistics.median(self.latencies))) if self.latencies else 1
+
+    async def run(self, body: dict[str, Any], adapter: str) -> dict[str, Any]:
+        """One image on a replica: its answer, retried when the replica dies; RequestError or LoraManagerError."""
+        handle = self.replicas.options(multiplexed_model_id=adapter)
         for attempt in range(1, RETRIES + 1):
             try:
                 answer = await handle.generate.remote(body)
@@ -198,12 +284,100 @@ class Ingress:
                 continue
             except Exception as e:  # a fault, not the request's: logged here, a plain message for the client
                 log.exception("replica failed on a request")
-                return refusal(500, f"the server failed on this request ({type(e).__name__}); it is logged.")
+                raise LoraManagerError(f"the server failed on this request ({type(e).__name__}); it is logged.") from e
             if "error" in answer:
-                return refusal(answer["status"], answer["error"], answer["field"])
+                error = QueueFullError if answer["status"] == 503 else RequestError
+                raise error(answer["error"]) if error is QueueFullError else error(answer["error"], answer["field"])
+            self.metrics.observe_answer(answer["info"], answer.pop("replica_state", None))
             answer["info"]["attempts"] = attempt
             return answer
-        return refusal(503, f"no replica could serve the request in {RETRIES} attempts; retry.")
+        raise ReplicasLostError(f"no replica could serve the request in {RETRIES} attempts; retry.")
+
+    async def run_all(self, bodies: list[dict[str, Any]], adapter: str) -> list[dict[str, Any]]:
+        """Every body at once, admitted only while at most `max_images` are in flight."""
+        if self.in_flight + len(bodies) > self.max_images:
+            raise ServerBusyError(f"Busy: {self.in_flight} images in flight (limit {self.max_images}); retry.")
+        self.in_flight += len(bodies)
+        self.metrics.in_flight.set(self.in_flight)
+        try:
+            return await asyncio.gather(*(self.run(b, adapter) for b in bodies))
+        finally:
+            self.in_flight -= len(bodies)
+            self.metrics.in_flight.set(self.in_flight)
+
+    def count(self, route: str, adapter: str, outcome: str, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        self.metrics.requests.labels(route, adapter, outcome).inc()
+        self.metrics.latency.labels(route).observe(seconds)
+        self.latencies.append(seconds)
+
+    @api.post("/generate")
+    async def generate(self, request: Request):
+        t0, label = time.perf_counter(), "-"
+        try:
+            body = await read_body(request)
+            req = check_request(
+                body["prompt"], body["adapter"], body["strength"], body["seed"], body["steps"], await self.slots()
+            )
+            label = await self.adapter_label(req.adapters)
+            [answer] = await self.run_all([body], req.adapters[0][0] if req.adapters else "")
+        except LoraManagerError as e:
+            status = generate_status(e)
+            self.count("/generate", label, outcome(status), t0)
+            headers = {"Retry-After": str(self.retry_after())} if status == 503 else None
+            response = refusal(status, str(e), getattr(e, "field", None))
+            response.headers.update(headers or {})
+            return response
+        self.count("/generate", label, "success", t0)
+        return answer
+
+    async def slots(self) -> int:
+        return (await self.describe())["slots"]
+
+    async def adapter_label(self, mix) -> str:
+        """The metrics label of a request's adapters: ids joined by '+', the base model's id for none, and
+        'unknown' for ids not registered (so clients cannot create label values without bound)."""
+        pipe = await self.pipeline()
+        if not mix:
+            return pipe.base_model
+        ids = [i for i, _ in mix]
+        return "+".join(ids) if all(i in pipe.adapters for i in ids) else "unknown"
+
+    @api.post("/v1/images/generations")
+    async def images_generations(self, request: Request):
+        """The OpenAI Images API (`openai_api.py`): `data` holds one `b64_json` PNG per image."""
+        t0, label = time.perf_counter(), "-"
+        try:
+            pipe = await self.pipeline()
+            req = parse_images_request(await read_json(request), pipe)
+            label = await self.adapter_label(req.request.adapters)
+            if req.n > self.max_images:
+                raise RequestError(f"n must be at most {self.max_images} on this server.", field="n")
+            first = req.request.adapters[0][0] if req.request.adapters else ""
+            answers = await self.run_all(req.bodies(), first)
+        except LoraManagerError as e:
+            status = openai_status(e)
+            self.count("/v1/images/generations", label, outcome(status), t0)
+            retry = self.retry_after() if status == 429 else None
+            param = getattr(e, "field", None)  # a fault of the whole body names no parameter, as OpenAI's own API
+            return openai_refusal(status, str(e), None if param == "body" else param, retry)
+        self.count("/v1/images/generations", label, "success", t0)
+        data = [{"b64_json": a["image_png_base64"], "revised_prompt": None} for a in answers]
+        return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{req.width}x{req.height}"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        """The OpenAI list object: the base model and every adapter (`parent`: the base model)."""
+        return models_list(await self.pipeline())
+
+    @api.get("/metrics")
+    async def metrics_text(self) -> Response:
+        """Prometheus text format; one replica's state is refreshed first."""
+        try:
+            self.metrics.observe_state(await self.replicas.state.remote())
+        except Exception:  # a scrape still answers with what it has
+            log.warning("no replica state for this scrape", exc_info=True)
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/info")
     async def info(self) -> dict[str, Any]:
@@ -223,11 +397,13 @@ def build_app(
     threads: int | None = None,
     max_batch: int = 4,
     dtype: str | None = None,
+    max_queued: int = 64,
 ):
     """The Serve application: `replicas` engines behind the ingress, routed by `routing`. Each replica runs up to
     `max_batch` requests in one pipeline call whatever their adapters, so it accepts that many at once
     (`max_ongoing_requests`, default max(2, max_batch)). `dtype`: as `LoraManager.from_preset` takes it (default: the
-    preset's on CUDA, float32 on the CPU)."""
+    preset's on CUDA, float32 on the CPU). The ingress admits as many images as the replicas run at once plus
+    `max_queued`; it refuses more with 429 (OpenAI routes) or 503 (`/generate`) and `Retry-After`."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     options: dict[str, Any] = {
@@ -238,7 +414,8 @@ def build_app(
     }
     if routing == "affinity":
         options["request_router_config"] = RequestRouterConfig(request_router_class=AdapterAffinityRouter)
-    return Ingress.bind(LoraReplica.options(**options).bind(preset, compile, slots, threads, max_batch, dtype))
+    engines = LoraReplica.options(**options).bind(preset, compile, slots, threads, max_batch, dtype)
+    return Ingress.bind(engines, replicas * options["max_ongoing_requests"] + max_queued)
 
 
 def app_builder(args: dict[str, Any]):
@@ -288,5 +465,6 @@ def main(args) -> None:
         num_cpus=cpus,
         threads=max(1, int(cpus)),
         dtype=args.dtype,
+        max_queued=args.max_queued,
     )
     serve.run(app, name="lora-hotswap", route_prefix="/", blocking=True)
