@@ -71,7 +71,7 @@ class Compilation:
         compile_denoiser(self._denoiser, **kwargs)
         # batch sizes 1..B share one graph, dynamic in the batch dimension (unless the caller chose `dynamic`)
         batch_dim = BATCH_DIM if self.max_batch > 1 and "dynamic" not in kwargs else ""
-        with torch.compiler.config.patch(dynamic_sources=batch_dim):
+        with torch.compiler.config.patch(dynamic_sources=batch_dim), torch._inductor.config.patch(self._cpu_patch()):
             self._warm_up(phases)
         self.cache_counts = tuple(n - b for n, b in zip(compile_cache.cache_counts(), before, strict=True))
         self.built_kernels = compile_cache.built_kernels() - kernels
@@ -83,6 +83,13 @@ class Compilation:
             log.info("compiled the denoiser: %s", why)
             self.source = f"compiled ({why})"
         return self.source
+
+    def _cpu_patch(self) -> dict[str, Any]:
+        """Inductor settings for this compile: on the CPU, a half-precision graph for mixed batches is vectorized at
+        256 bits, since torch 2.13's 512-bit half-precision kernels for it give NaN on CPUs with AVX512-FP16."""
+        half = self._denoiser.dtype in (torch.float16, torch.bfloat16)
+        cpu_mixed_half = self._denoiser.device.type == "cpu" and half and self.max_batch > 1
+        return {"cpp.simdlen": 256} if cpu_mixed_half else {}
 
     def _warm_up(self, phases: dict[str, float]) -> None:
         """One short generation per batch size, so no request pays for compiling (nor recompiles): the first compiles
