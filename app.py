@@ -509,11 +509,11 @@ def strategies(repeats: int, progress=gr.Progress()):
     try:
         progress(0, desc="measuring reload, set_adapters, diffusers hotswap and the engine's swap")
         report = _run_bench(int(repeats))
-        from lora_manager.bench import swaps  # matplotlib: loaded when the tab is used, not at start-up
+        from lora_manager.bench import bench  # matplotlib: loaded when the tab is used, not at start-up
 
         floor = report["results"]["floor_per_tensor_ms"]
         rows = [[k.removesuffix("_ms"), round(v, 3), round(v / floor, 2)] for k, v in report["results"].items()]
-        return swaps.make_figure(report), rows, report
+        return bench.make_figure(report), rows, report
     finally:
         _STRATEGIES_LOCK.release()
 

@@ -141,7 +141,7 @@ def cmd_aot_package(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import swaps as bench
+    from .bench import bench
 
     bench.main(args)
 
@@ -154,7 +154,7 @@ def cmd_gpu_check(args: argparse.Namespace) -> None:
 
 
 def cmd_loadtest(args: argparse.Namespace) -> None:
-    from .bench import load as loadtest
+    from .bench import loadtest
 
     loadtest.main(args.clients, args.requests, args.seed, args.json, args.preset, args.max_batch, args.rounds)
 
@@ -166,15 +166,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_startbench(args: argparse.Namespace) -> None:
-    from .bench import startup
+    from .bench import startbench
 
-    startup.main(args.rounds, args.preset, args.threads, args.json)
+    startbench.main(args.rounds, args.preset, args.threads, args.json)
 
 
 def cmd_servebench(args: argparse.Namespace) -> None:
-    from .bench import serve_load as serve_bench
+    from .bench import servebench
 
-    serve_bench.main(args)
+    servebench.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

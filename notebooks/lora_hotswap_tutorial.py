@@ -938,7 +938,7 @@ for s in (0.5, 0.0):
 # %%
 from diffusers import FluxTransformer2DModel
 
-from lora_manager.bench.swaps import SDXL_UNET  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
+from lora_manager.bench.bench import SDXL_UNET  # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
 
 # runwayml/stable-diffusion-v1-5 unet/config.json: diffusers' UNet2DConditionModel defaults plus these two
 SD15_UNET = {"sample_size": 64, "cross_attention_dim": 768}

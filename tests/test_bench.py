@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lora_manager.__main__ import main
-from lora_manager.bench import swaps
+from lora_manager.bench import bench
 
 SWAP_KEYS = (
     "floor_flat_ms",
@@ -72,5 +72,5 @@ def test_engine_swap_equals_diffusers_hotswap(bench_run):
 def test_engine_swap_equals_diffusers_hotswap_in_half_precision(dtype):
     """The same check on the tiny workload in the GPU presets' dtypes: the engine's swaps and diffusers' hotswap leave
     the same weights and outputs."""
-    check = swaps.engine_matches_hotswap(swaps.tiny_workload(torch.device("cpu"), dtype))
+    check = bench.engine_matches_hotswap(bench.tiny_workload(torch.device("cpu"), dtype))
     assert check["ok"] and check["output_lora_effect"] > 1e-2, check

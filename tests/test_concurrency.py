@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from lora_manager import LoraManager
-from lora_manager.bench.load import PROMPTS, Job, cycle_jobs, make_jobs, run_engine, run_naive, solo_references
+from lora_manager.bench.loadtest import PROMPTS, Job, cycle_jobs, make_jobs, run_engine, run_naive, solo_references
 from lora_manager.testing import levels
 
 from engine_helpers import ADAPTERS, load_tiny, make_catalog

@@ -1,6 +1,6 @@
 """Ray Serve scale-out: a local Ray instance, 2 CPU replicas of the tiny preset per app, a mixed load over HTTP.
 
-One run (`bench.serve_load.run`, also `python -m lora_manager servebench`) serves the same jobs with Ray Serve's default
+One run (`bench.servebench.run`, also `python -m lora_manager servebench`) serves the same jobs with Ray Serve's default
 multiplexed routing and with `AdapterAffinityRouter`, then kills a replica under a concurrent load.
 """
 
@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray", reason="tests/requirements.txt installs ray[ser
 
 @pytest.fixture(scope="module")
 def deployment():
-    from lora_manager.bench import serve_load as serve_bench
+    from lora_manager.bench import servebench as serve_bench
 
     with serve_bench.running("tiny", replicas=2) as (base, ready_s):
         print(f"Ray Serve apps ready in {ready_s:.1f} s")
@@ -25,7 +25,7 @@ def deployment():
 
 @pytest.fixture(scope="module")
 def report(deployment):
-    from lora_manager.bench import serve_load as serve_bench
+    from lora_manager.bench import servebench as serve_bench
 
     # the kill load at 16 requests, not servebench's 32: each needs a solo reference (about 1.8 s apiece on 2 cores)
     out = serve_bench.measure(deployment, "tiny", requests=16, clients=2, kill_requests=16)

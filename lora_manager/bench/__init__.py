@@ -1,3 +1,4 @@
-"""Measurements: swap strategies side by side (strategies, swaps), load tests in-process and over Ray Serve (load,
-serve_load), the GPU check of the engine on mini SDXL and Flux pipelines (gpu_check, mini_pipelines) and the GPU run
-(gpu_bench.sh). The engine never imports this package."""
+"""Measurements, one module per command: swap strategies side by side (`bench`, with `strategies`), load tests
+in-process (`loadtest`) and over Ray Serve (`servebench`), start-up times (`startbench`), the GPU check of the engine on
+mini SDXL and Flux pipelines (`gpu_check`, with `mini_pipelines`) and the GPU run (gpu_bench.sh). The engine never
+imports this package."""

@@ -45,7 +45,7 @@ class Job:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """One load run, in-process (`run_engine` and the plain-diffusers baselines) or over HTTP (`serve_load.send`);
+    """One load run, in-process (`run_engine` and the plain-diffusers baselines) or over HTTP (`servebench.send`);
     the fields a kind of run cannot know are None."""
 
     name: str

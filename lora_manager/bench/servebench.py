@@ -26,7 +26,7 @@ import httpx
 from ..engine import LoraManager
 from ..serving.protocol import answer_image, request_body
 from ..testing import free_port
-from .load import Job, LoadReport, make_jobs, report, solo_references
+from .loadtest import Job, LoadReport, make_jobs, report, solo_references
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
