@@ -46,7 +46,6 @@ from pathlib import Path
 
 import gradio as gr
 import psutil
-import torch
 from fastapi.exceptions import RequestValidationError
 from gradio.components.api_component import Api
 from gradio.utils import get_function_params
@@ -888,6 +887,8 @@ def preset_hardware() -> dict[str, str | None]:
 
 def default_preset(requested: str | None) -> PresetChoice:
     # ZeroGPU's `spaces` reports CUDA in this process, which has no device until a GPU function runs: tiny there
+    import torch  # here, not above: imported before lora_manager, torch made the compiled start miss its bundle
+
     cuda = torch.cuda.is_available() and not ZERO_GPU
     return choose_preset(requested, cuda, suggested_hardware(Path(__file__).with_name("README.md")), preset_hardware())
 

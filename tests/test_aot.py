@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 
 from lora_manager import LoraManager
 from lora_manager.hotswap.aot import (
+    AotPackageError,
     AotShapeError,
     DenoiserShapes,
     check_capability,
@@ -179,12 +180,12 @@ def test_a_package_names_its_cuda_capability_and_another_gpu_is_refused(package)
     check_capability(None, "9.0", "cpu.pt2")
     check_capability("9.0", "9.0", "h100.pt2")
     with pytest.raises(
-        AotShapeError,
+        AotPackageError,
         match=r"a10\.pt2 was compiled for CUDA compute capability 8\.6; this device "
         r"has 9\.0\. Build a package on this GPU",
     ):
         check_capability("8.6", "9.0", "a10.pt2")
-    with pytest.raises(AotShapeError, match="this device has no CUDA"):
+    with pytest.raises(AotPackageError, match="this device has no CUDA"):
         check_capability("8.6", None, "a10.pt2")
 
 

@@ -19,6 +19,7 @@ RUN_ELSEWHERE = {  # README section -> the test that runs its blocks
     "Set up": "tests/test_app_api.py starts `python app.py`; `bash .ci/run` is this run",
     "Plain diffusers recipe": "tests/test_recipe.py",
     "The tutorial": "tests/test_notebook.py",
+    "Scale out": "tests/test_ray_serve.py (the openai client call and /metrics, against `serve`)",
 }
 NEEDS = re.compile(r"^#\s*needs (the Hub|a GPU)", re.I)
 
