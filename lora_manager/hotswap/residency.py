@@ -19,7 +19,7 @@ import torch
 from ..adapters.reader import AdapterWeights
 from ..adapters.registry import AdapterRegistry
 from ..request_schema import Mix
-from .batched import BatchRows, GatheredLora
+from .batched import BatchRows
 from .plan import assign_slots, plan_resident
 from .slot import DevicePrefetch, LiveSlot, sync
 from .template import prepare_template
@@ -202,6 +202,3 @@ class Residency:
     def values_per_adapter(self) -> int:
         """How many values the template holds for one adapter at its rank, over every module."""
         return sum(m.A.numel() + m.B.numel() for m in self.slots[0].modules.values())
-
-
-__all__ = ["GatheredLora", "Residency", "Swap"]
