@@ -109,7 +109,6 @@ class LoraManager:
         generation = {**self.generation_defaults, "max_batch": max_batch}
         self.compilation = Compilation(pipe, self.components[self.denoiser_name], self.residency.rows, generation)
         self.compiled, self.aot = bool(compile), None
-        self.residency.fixed_shapes = self.compiled  # compiled graphs keep the template rank: fixed shapes
         if compile:
             key = self.compile_key  # once: on the CPU it asks the C++ compiler for its version
             bundle = compile_cache.bundle_path(self.catalog_root, key) if self.catalog_root else None

@@ -13,7 +13,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from lora_manager import AdapterFormatError, LoraManager
-from lora_manager.testing import levels, snapshot
+from lora_manager.adapters.inspection import BLOCKS, CONV
+from lora_manager.hotswap.batched import row_groups
+from lora_manager.testing import levels, snapshot, write_adapter
 
 from engine_helpers import assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
 from helpers import PROMPT
@@ -131,3 +133,55 @@ def test_compiled_mixed_batches_never_recompile(adapter_dir):
     assert stats["batches"] - before >= 30 and stats["recompiles"] == 0
     for (mix, seed, prompt), result in checked:
         assert levels(result.image, ref(adapter_dir, mix, seed, prompt)) <= 1, mix
+
+
+# Ranks 2..64 in one template (rank 64): each row must compute at its own rank, on its own targets, and still give
+# plain diffusers' image for its request alone.
+RANKED = {
+    "r2_attn": dict(rank=2, alpha=3, seed=11),
+    "r3_conv": dict(rank=3, alpha=1, suffixes=CONV, seed=12),
+    "r64_blocks": dict(rank=64, alpha=48, suffixes=BLOCKS, seed=13, scale=0.1),
+    "r33_kohya_te": dict(rank=33, alpha=20, te_rank=9, te_alpha=5, kohya=True, seed=14, scale=0.15),
+    "r12_te": dict(rank=12, alpha=16, te_rank=12, te_alpha=24, seed=15),
+}
+
+
+@pytest.fixture(scope="module")
+def ranked_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ranked")
+    pipe = load_tiny()
+    for name, kw in RANKED.items():
+        write_adapter(pipe, folder / f"{name}.safetensors", **kw)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [[("r2_attn", 1.0)], [("r64_blocks", 0.8)], [("r3_conv", 1.3)], []],
+        [[("r33_kohya_te", 1.0)], [("r12_te", 0.7), ("r2_attn", 1.0)], [("r2_attn", 0.5)], [("r2_attn", 1.0)]],
+    ],
+    ids=["ranks-2-3-64-none", "kohya-te-pairs-same-adapter"],
+)
+def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(ranked_dir, batch):
+    catalog = make_catalog(ranked_dir, tuple(RANKED))
+    m = LoraManager(load_tiny(), catalog, max_batch=4, slots=2, device_slots=6)
+    assert m.target_rank == 64
+    requests = [(mix, 20 + i, PROMPTS[i % 3]) for i, mix in enumerate(batch)]
+    results = run_together(m, requests)
+    assert [r.info["batch_size"] for r in results] == [4] * 4
+    for (mix, seed, prompt), result in zip(requests, results, strict=True):
+        assert levels(result.image, ref(ranked_dir, mix, seed, prompt)) <= 1, mix
+    # the plan the layers ran (rows in the scheduler's order): each row's rank at each layer is the highest rank its
+    # own adapters have there (0: the row skips the layer), never the template's nor another row's
+    rows = m.residency.rows
+    held = {a: m.registry.store.get(a).modules for mix in batch for a, _ in mix}
+    expected = [[max((held[a][k].rank for a, _ in mix if k in held[a]), default=0) for k in rows.keys] for mix in batch]
+    assert sorted(rows.plan[0, :, :4].T.tolist()) == sorted(expected)
+
+
+def test_rows_are_grouped_by_rank_bucket_and_one_adapter_runs_as_one_branch():
+    # rows 0 and 3 share a slot; rows 1 and 2 are in the 16 bucket, with different slots; row 4 skips the layer
+    assert row_groups((5, 12, 16, 7, 0), (2, 0, 1, 2, -1)) == (((0, 3), 7, 2), ((1, 2), 16, -1))
+    assert row_groups((0, 0), (-1, -1)) == ()
+    assert row_groups((64, 64, 64, 64), (3, 3, 3, 3)) == (((0, 1, 2, 3), 64, 3),)

@@ -232,7 +232,7 @@ def prepare_gathered(
     slots, _ = prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, len(weights), rows)
     for slot, w in zip(slots, weights, strict=True):
         slot.load(w, 1.0)
-    rows.write([[(i % len(weights), 1.0)] for i in range(requests)])
+    rows.write([[(i % len(weights), 1.0)] for i in range(requests)], weights)
     return rows
 
 
@@ -289,12 +289,18 @@ def measure_mixed_layers(wl: Workload, repeats: int) -> dict:
             one = _call_ms(model, x, repeats, device)
             rows = BatchRows(rows_n, 1, device)
             install({"m": model}, names, rows)
-            rows.write([[(i % slots, 1.0)] for i in range(rows_n)])
+            rows.write([[(i % slots, 1.0)] for i in range(rows_n)], [_as_weights(model[0], n) for n in names])
             gathered = _call_ms(model, x, repeats, device)
         out["layers"].append(
             {"width": width, "tokens": tokens, "no_lora_ms": base, "one_branch_ms": one, "gathered_mixed_ms": gathered}
         )
     return out
+
+
+def _as_weights(layer, name: str) -> AdapterWeights:
+    """PEFT's own weights for one adapter of a bare LoRA layer, as the adapter the gathered forward plans for."""
+    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
+    return AdapterWeights({("m", "0"): ModuleLora(A, B, alpha=A.shape[0], scale=1.0)}, format="peft")
 
 
 def _call_ms(model: nn.Module, x: torch.Tensor, repeats: int, device: torch.device) -> float:

@@ -1,4 +1,4 @@
-"""Mixed-adapter batches: every row of a batch runs its own LoRA (gathered per-row LoRA, as S-LoRA/Punica BGMV do).
+"""Mixed-adapter batches: every row of a batch runs its own LoRA, at its own rank (as S-LoRA/Punica/LoRAX do).
 
 The hotswap template's D adapters (`slot0`..`slotD-1`, the device slots) are re-based onto one stack per module:
 A [D, R, in(, kh, kw)], B transposed [D, R, out] and the scalings [D] (alpha / r of the adapter a slot holds). PEFT's
@@ -7,40 +7,64 @@ layer's forward becomes the base layer plus, for every row n of the input (PEFT'
 
     sum over picks p:  B[index[n, p]] @ A[index[n, p]] @ x[n] * scaling[index[n, p]] * strength[n, p]
 
-as one gather and two batched matmuls, whatever D is (for conv layers: A as one convolution over every slot, then a
-gather), in one custom operator.
-`index` and `strength` (`BatchRows`) are tensors the engine writes in place before each pipeline call; a request
-combining up to P adapters uses P picks, an unused pick has strength 0 and adds exactly 0. A layer that sees N rows
-(one per request: the text encoder, called once on the prompts and once on the negative prompts) and one that sees
-2N (the denoiser under classifier-free guidance: diffusers concatenates [uncond rows; cond rows]) read the same
-buffers, sliced by their input's row count.
+in one custom operator (`gathered_lora`). Rows are grouped by rank bucket (powers of two): each group computes only
+the columns its adapters use at this layer (its highest rank), a row whose adapters do not target the layer skips
+it, and a group whose rows all use the same one adapter runs as one plain LoRA branch (no gather). What each row
+needs at each layer is planned once per batch (`BatchRows.write`) into a small CPU tensor the operator reads, so a
+compiled graph never sees a rank: any mix of adapters runs the same graph.
+`index` and `strength` are tensors the engine writes in place before each pipeline call; a request combining up to
+P adapters uses P picks, an unused pick has strength 0 and adds exactly 0. A layer that sees N rows (one per request:
+the text encoder, called once on the prompts and once on the negative prompts) and one that sees 2N (the denoiser
+under classifier-free guidance: diffusers concatenates [uncond rows; cond rows]) read the same buffers, sliced by
+their input's row count.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from ..adapters.reader import AdapterWeights
+
+Key = tuple[str, str]  # (component, module path)
+
 
 class BatchRows:
-    """Per-row adapter picks for the next pipeline call, in one pair of buffers written in place (never Python values
-    baked into a graph): `index` [2B*P] (the device slot of each row's P picks) and `strength` [2B, P], for batches of
-    up to B requests. `write` repeats the call's N rows to fill all 2B, so a layer that sees n rows reads the first n:
-    the N rows themselves (the text encoder, or a denoiser without guidance) or the N rows twice, which is exactly
-    the [uncond; cond] batch of classifier-free guidance. Every batch size reads the same buffers through a slice of
-    its own row count, so one compiled graph, dynamic in the batch dimension, serves them all."""
+    """Per-row adapter picks for the next pipeline call, in buffers written in place (never Python values baked into
+    a graph): `index` [2B*P] (the device slot of each row's P picks), `strength` [2B, P], and `plan` [2, layers, 2B]
+    on the CPU (each row's rank at each layer, and the one slot it uses there or -1), for batches of up to B
+    requests. `write` repeats the call's N rows to fill all 2B, so a layer that sees n rows reads the first n: the N
+    rows themselves (the text encoder, or a denoiser without guidance) or the N rows twice, which is exactly the
+    [uncond; cond] batch of classifier-free guidance. Every batch size reads the same buffers through a slice of its
+    own row count, so one compiled graph, dynamic in the batch dimension, serves them all."""
 
     def __init__(self, max_rows: int, picks: int, device: torch.device):
         self.picks = picks
         self.index = torch.zeros(2 * max_rows * picks, dtype=torch.long, device=device)
         self.strength = torch.zeros(2 * max_rows, picks, device=device)
+        self.keys: list[Key] = []  # the template layers, in the order of `plan`'s second dimension (`install`)
+        self.plan = torch.zeros(2, 0, 2 * max_rows, dtype=torch.long)
+        self.active: list[bool] = []  # per layer: does any row of this batch compute there (eager layers skip)
+        self._ranks = torch.zeros(0, 0, dtype=torch.long)  # [layers, D]: each device slot's rank at each layer
+        self._held: list[AdapterWeights | None] = []  # what each column of `_ranks` was computed from
+
+    def bind(self, keys: list[Key], slots: int) -> None:
+        """Size the plan for the template's layers (once, before any compile)."""
+        self.keys = keys
+        self.plan = torch.zeros(2, len(keys), self.strength.shape[0], dtype=torch.long)
+        self.active = [False] * len(keys)
+        self._ranks = torch.zeros(len(keys), slots, dtype=torch.long)
+        self._held = [None] * slots
 
     @torch.no_grad()
-    def write(self, rows: list[list[tuple[int, float]]]) -> None:
-        """Set every row's (device slot, strength) picks, at most B rows. Unused picks get strength 0 (slot 0), which
-        adds exactly nothing."""
+    def write(self, rows: list[list[tuple[int, float]]], held: list[AdapterWeights | None] | None = None) -> None:
+        """Set every row's (device slot, strength) picks, at most B rows, and plan each layer's rows for `held`, the
+        adapter each device slot holds (None: as at the last call). Unused picks get strength 0 (slot 0), which adds
+        exactly nothing."""
         total = self.strength.shape[0]
         if not 0 < len(rows) <= total // 2:
             raise ValueError(f"a batch has 1 to {total // 2} rows, not {len(rows)}")
@@ -48,8 +72,46 @@ class BatchRows:
         for n in range(total):
             for p, (slot, s) in enumerate(rows[n % len(rows)]):
                 flat_index[n * self.picks + p], flat_strength[n * self.picks + p] = slot, s
-        self.index.copy_(torch.tensor(flat_index), non_blocking=True)
-        self.strength.copy_(torch.tensor(flat_strength).view(self.strength.shape), non_blocking=True)
+        index, strength = torch.tensor(flat_index), torch.tensor(flat_strength).view(self.strength.shape)
+        self.index.copy_(index, non_blocking=True)
+        self.strength.copy_(strength, non_blocking=True)
+        if held is not None:
+            self._hold(held)
+        if self.keys:
+            self._plan(index.view(total, self.picks), strength)
+
+    def _hold(self, held: list[AdapterWeights | None]) -> None:
+        """Each slot's rank at each layer (0 where its adapter has no weights), recomputed for slots that changed."""
+        for i, weights in enumerate(held):
+            if weights is not self._held[i]:
+                modules = weights.modules if weights is not None else {}
+                self._ranks[:, i] = torch.tensor([modules[k].rank if k in modules else 0 for k in self.keys])
+                self._held[i] = weights
+
+    def _plan(self, picks: torch.Tensor, strength: torch.Tensor) -> None:
+        """Per layer and row: the highest rank among the row's picks (0: the row skips the layer), and the slot of
+        its only pick with weights there (-1 if none or several)."""
+        ranks = self._ranks[:, picks] * (strength != 0)  # [layers, 2B, P]
+        used = ranks > 0
+        only = picks.expand_as(ranks).gather(2, used.to(torch.uint8).argmax(2, keepdim=True)).squeeze(2)
+        self.plan[0].copy_(ranks.amax(2))
+        self.plan[1].copy_(torch.where(used.sum(2) == 1, only, -1))
+        self.active = (self.plan[0] > 0).any(1).tolist()
+
+
+@lru_cache(maxsize=4096)
+def row_groups(ranks: tuple[int, ...], only: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+    """The rows of one layer call grouped by rank bucket (the next power of two): (rows, the group's highest rank,
+    the one slot all its rows use or -1). Rows of rank 0 are in no group."""
+    buckets: dict[int, list[int]] = {}
+    for row, rank in enumerate(ranks):
+        if rank:
+            buckets.setdefault(1 << (rank - 1).bit_length(), []).append(row)
+    groups = []
+    for _, rows in sorted(buckets.items()):
+        slots = {only[r] for r in rows}
+        groups.append((tuple(rows), max(ranks[r] for r in rows), slots.pop() if len(slots) == 1 else -1))
+    return tuple(groups)
 
 
 @torch.library.custom_op("lora_manager::gathered_lora", mutates_args=())
@@ -60,18 +122,52 @@ def gathered_lora(
     scaling: torch.Tensor,
     index: torch.Tensor,
     strength: torch.Tensor,
-    rank: int,
+    plan: torch.Tensor,
+    layer: int,
     stride: list[int],
     padding: list[int],
 ) -> torch.Tensor:
-    """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), over the
-    first `rank` columns of the stacks. One operator to torch.compile: dynamo traces one node per layer instead of
-    every step below, which keeps the compile of a denoiser with a hundred LoRA layers short."""
+    """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), grouped
+    by rank (`row_groups`). One operator to torch.compile: dynamo traces one node per layer instead of every step
+    below (which keeps the compile of a denoiser with a hundred LoRA layers short), and the groups, read from the
+    CPU plan when the operator runs, never reach a graph."""
     n, picks = x.shape[0], strength.shape[1]
-    index, strength = index[: n * picks], strength[:n]
+    groups = row_groups(tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist()))
+    index, strength = index[: n * picks].view(n, picks), strength[:n]
+    if len(groups) == 1 and len(groups[0][0]) == n:  # every row in one group: no gather, no scatter
+        return _group(x, A, Bt, scaling, index, strength, *groups[0][1:], stride, padding)
+    out = x.new_zeros(_out_shape(x, A, Bt, stride, padding), dtype=A.dtype)
+    for rows, rank, only in groups:
+        at = _rows_on(rows, x.device)
+        xs, picks_at, strength_at = x.index_select(0, at), index.index_select(0, at), strength.index_select(0, at)
+        delta = _group(xs, A, Bt, scaling, picks_at, strength_at, rank, only, stride, padding)
+        out.index_copy_(0, at, delta)
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A group's row numbers as an index tensor on `device`, made once per distinct group."""
+    return torch.tensor(rows, device=device)
+
+
+def _group(x, A, Bt, scaling, index, strength, rank: int, only: int, stride, padding) -> torch.Tensor:
+    """One group's LoRA output at `rank` columns: one adapter's plain branch for all rows (`only` >= 0), or each
+    row's picks gathered (a gather and two batched matmuls; for conv layers A as one convolution over every slot)."""
+    n, picks = index.shape
     # strengths and scalings are float32; the product is cast to the stacks' dtype (float16/bfloat16 pipelines), since
     # bmm refuses mixed dtypes and type promotion would otherwise turn the half-precision rows to float32
-    weight = (strength * scaling.index_select(0, index).view(n, picks)).to(A.dtype)  # [n, P]
+    weight = strength * scaling[index]  # [n, P]
+    if only >= 0:  # the same adapter on every row: its strength and scaling per row, then plain matmuls
+        w = (weight * (index == only)).sum(1).to(A.dtype)
+        if A.dim() == 5:
+            h = F.conv2d(x, A[only, :rank], None, stride, padding)  # [n, r, H', W']
+            h = h * w[:, None, None, None]
+            return torch.matmul(Bt[only, :rank].T, h.flatten(2)).view(n, -1, *h.shape[-2:])
+        h = F.linear(x, A[only, :rank]) * w.view(n, *[1] * (x.dim() - 1))
+        return torch.matmul(h, Bt[only, :rank])
+    weight = weight.to(A.dtype)
+    index = index.flatten()
     Bt = Bt[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, out]
     if A.dim() == 5:  # [D, R, in, kh, kw]: a Conv2d layer
         # A of every device slot as one convolution (D*R output channels; nothing depends on the row count), then
@@ -88,20 +184,25 @@ def gathered_lora(
     return torch.bmm(h, Bt).view(*x.shape[:-1], -1)
 
 
-@gathered_lora.register_fake
-def _(x, A, Bt, scaling, index, strength, rank, stride, padding):
-    """The output's shape for tracing, without tracing the steps (contiguous, as `gathered_lora` returns it)."""
+def _out_shape(x, A, Bt, stride, padding) -> tuple[int, ...]:
+    """The operator's output shape: a linear layer's rows with its out features, or a conv layer's output map."""
     if A.dim() == 5:
         size = [(x.shape[i + 2] + 2 * padding[i] - A.shape[3 + i]) // stride[i] + 1 for i in range(2)]
-        return x.new_empty((x.shape[0], Bt.shape[-1], *size), dtype=A.dtype)
-    return x.new_empty((*x.shape[:-1], Bt.shape[-1]), dtype=A.dtype)
+        return (x.shape[0], Bt.shape[-1], *size)
+    return (*x.shape[:-1], Bt.shape[-1])
+
+
+@gathered_lora.register_fake
+def _(x, A, Bt, scaling, index, strength, plan, layer, stride, padding):
+    """The output's shape for tracing, without tracing the steps (contiguous, as `gathered_lora` returns it)."""
+    return x.new_empty(_out_shape(x, A, Bt, stride, padding), dtype=A.dtype)
 
 
 class GatheredLora:
     """One template layer's stacked LoRA tensors and the layer's forward over them: the base layer plus every row's
     LoRA (`gathered_lora`). It replaces PEFT's forward, whose per-adapter branches would add nothing."""
 
-    def __init__(self, layer: LoraLayer, names: list[str], rows: BatchRows):
+    def __init__(self, layer: LoraLayer, names: list[str], rows: BatchRows, layer_index: int):
         with torch.no_grad():
             self.A = torch.stack([layer.lora_A[n].weight.detach() for n in names])  # [D, R, in(, kh, kw)]
             # B transposed, [D, R, out]: a gather then feeds a batched matmul without a copy
@@ -112,19 +213,16 @@ class GatheredLora:
             b = self.Bt[i].T
             layer.lora_B[n].weight.data = b.view(*b.shape, *[1] * (layer.lora_B[n].weight.dim() - 2))
             layer.scaling[n] = self.scaling[i]
-        self.rows = rows
+        self.rows, self.layer = rows, layer_index
         self.base_layer = layer.get_base_layer()
-        # columns computed: the template rank, or (eager engines) the highest rank a resident adapter has in this
-        # layer, since the columns above it are zero in every slot; 0 skips the layer
-        self.rank = self.A.shape[1]
         conv = layer.lora_A[names[0]]
         self.stride, self.padding = (list(conv.stride), list(conv.padding)) if isinstance(conv, nn.Conv2d) else ([], [])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         output = self.base_layer(x, *args, **kwargs)
-        if self.rank == 0:
-            return output
         rows = self.rows
+        if not torch.compiler.is_compiling() and not rows.active[self.layer]:  # eager: no row computes here
+            return output
         delta = gathered_lora(
             x.to(self.A.dtype),
             self.A,
@@ -132,24 +230,27 @@ class GatheredLora:
             self.scaling,
             rows.index,
             rows.strength,
-            self.rank,
+            rows.plan,
+            self.layer,
             self.stride,
             self.padding,
         )
         return output + delta.to(output.dtype)
 
 
-def install(components: dict[str, nn.Module], names: list[str], rows: BatchRows) -> dict[tuple[str, str], GatheredLora]:
+def install(components: dict[str, nn.Module], names: list[str], rows: BatchRows) -> dict[Key, GatheredLora]:
     """Re-base every template layer onto stacks and give it the gathered forward (before compile: the forwards and
-    stacks are then part of the compiled graphs). Returns the layers by (component, module)."""
+    stacks are then part of the compiled graphs), and size `rows`' plan for them. Returns the layers by (component,
+    module)."""
     layers = {}
     for comp, model in components.items():
         for module_name, layer in model.named_modules():
             if isinstance(layer, LoraLayer) and names[0] in layer.lora_A:
-                gathered = GatheredLora(layer, names, rows)
+                gathered = GatheredLora(layer, names, rows, len(layers))
                 layer.set_adapter([], inference_mode=True)  # PEFT's own branches: none active
                 layer.forward = gathered.forward
                 layers[(comp, module_name)] = gathered
+    rows.bind(list(layers), len(names))
     return layers
 
 

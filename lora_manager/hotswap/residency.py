@@ -59,11 +59,10 @@ class Residency:
         registry: AdapterRegistry,
     ):
         self.rows = BatchRows(max_batch, mix_slots, pipe.device) if max_batch > 1 else None
-        slots, self._gathered = prepare_template(pipe, components, keys, rank, device_slots, self.rows)
+        slots, _ = prepare_template(pipe, components, keys, rank, device_slots, self.rows)
         self.slots: list[LiveSlot] = slots  # every device slot
         self.mix_slots = slots[:mix_slots]  # the slots one request's adapters combine in
         self.holding: list[str | None] = [None] * device_slots  # the adapter id each device slot holds
-        self.fixed_shapes = False  # compiled graphs keep the template's rank on every layer
         self.swap_ms: list[float] = []
         self._device = pipe.device
         self._store, self._fetch = registry.store, registry.weights
@@ -167,21 +166,13 @@ class Residency:
         return ms
 
     def _write_rows(self, runnable: list[Mix], wanted: list[str]) -> None:
-        """Mixed batches: fit each layer's rank to what is resident (eager), then write every row's picks."""
-        if not self.fixed_shapes:
-            self._fit_ranks()
+        """Mixed batches: write every row's picks, planned per layer for what the slots hold (`BatchRows.write`)."""
         self._batches += 1
         self._last_used.update(dict.fromkeys(wanted, self._batches))
         slot_of = {a: i for i, a in enumerate(self.holding) if a is not None}
         if runnable:
-            self.rows.write([[(slot_of[a], s) for a, s in sorted(mix)] for mix in runnable])
-
-    def _fit_ranks(self) -> None:
-        """Eager: each layer computes only up to the highest rank a resident adapter has there (the columns above
-        are zero in every slot, so the result is the same), and skips itself where none has weights."""
-        held = [slot.weights.modules for slot in self.slots if slot.weights is not None]
-        for key, layer in self._gathered.items():
-            layer.rank = max((modules[key].rank for modules in held if key in modules), default=0)
+            rows = [[(slot_of[a], s) for a, s in sorted(mix)] for mix in runnable]
+            self.rows.write(rows, [slot.weights for slot in self.slots])
 
     def stage(self, upcoming: list[str]) -> None:
         """CUDA, mixed batches: start copying the adapters queued requests need and the device does not hold
