@@ -185,3 +185,7 @@ def test_rows_are_grouped_by_rank_bucket_and_one_adapter_runs_as_one_branch():
     assert row_groups((5, 12, 16, 7, 0), (2, 0, 1, 2, -1)) == (((0, 3), 7, 2), ((1, 2), 16, -1))
     assert row_groups((0, 0), (-1, -1)) == ()
     assert row_groups((64, 64, 64, 64), (3, 3, 3, 3)) == (((0, 1, 2, 3), 64, 3),)
+    # one more group costs 8 rank-rows: 5 and 7 would add 11 + 9 to the 16 group, so they stay a group of their
+    # own, which the row without weights here joins (7 rank-rows), in slot 2's plain branch
+    assert row_groups((5, 12, 16, 7, 0), (2, 0, 1, 2, -1), 8) == (((0, 3, 4), 7, 2), ((1, 2), 16, -1))
+    assert row_groups((5, 0, 5, 0), (2, -1, 2, -1), 16) == (((0, 1, 2, 3), 5, 2),)

@@ -99,23 +99,49 @@ class BatchRows:
         self.active = (self.plan[0] > 0).any(1).tolist()
 
 
+# What one more group costs beyond its multiply-adds (its gathers, launches and Python), in multiply-adds: rows of a
+# low rank join a higher bucket's group when the columns they would compute for nothing cost less than that. The CPU
+# value is of the order of one group's overhead on a desktop core; the CUDA one is an estimate from kernel launch
+# latency, not measured (`python -m lora_manager gpu-check` times mixed batches on a GPU).
+GROUP_COST_MACS = {"cpu": 2_000_000, "cuda": 500_000_000}
+
+
 @lru_cache(maxsize=4096)
-def row_groups(ranks: tuple[int, ...], only: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+def row_groups(
+    ranks: tuple[int, ...], only: tuple[int, ...], group_rows: int = 0
+) -> tuple[tuple[tuple[int, ...], int, int], ...]:
     """The rows of one layer call grouped by rank bucket (the next power of two): (rows, the group's highest rank,
-    the one slot all its rows use or -1). Rows of rank 0 are in no group."""
+    the one slot all its rows use or -1). A bucket joins the next one up when its rows times the ranks they would add
+    is at most `group_rows`, what one more group costs in rank-rows at this layer; rows of rank 0 (no adapter of theirs
+    targets the layer) form a bucket of their own that is otherwise left out, since their picks add exactly 0."""
     buckets: dict[int, list[int]] = {}
     for row, rank in enumerate(ranks):
-        if rank:
-            buckets.setdefault(1 << (rank - 1).bit_length(), []).append(row)
+        buckets.setdefault(1 << (rank - 1).bit_length() if rank else 0, []).append(row)
+    merged: list[list[int]] = []
+    for _, rows in sorted(buckets.items(), reverse=True):  # highest bucket first: lower ones join it if cheap
+        if merged and sum(max(ranks[r] for r in merged[-1]) - ranks[r] for r in rows) <= group_rows:
+            merged[-1] += rows
+        elif ranks[rows[0]]:
+            merged.append(rows)
     groups = []
-    for _, rows in sorted(buckets.items()):
-        slots = {only[r] for r in rows}
-        groups.append((tuple(rows), max(ranks[r] for r in rows), slots.pop() if len(slots) == 1 else -1))
+    for rows in reversed(merged):
+        slots = {only[r] for r in rows if ranks[r]}
+        groups.append((tuple(sorted(rows)), max(ranks[r] for r in rows), slots.pop() if len(slots) == 1 else -1))
     return tuple(groups)
 
 
-@torch.library.custom_op("lora_manager::gathered_lora", mutates_args=())
-def gathered_lora(
+def _group_rows(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor) -> int:
+    """`GROUP_COST_MACS` at this layer in rank-rows (one row computing one more rank column), a power of two."""
+    n = x.shape[0]
+    if A.dim() == 5:
+        per = (x.numel() // (n * x.shape[1])) * (A[0, 0].numel() + Bt.shape[-1])  # about H'W' x (in kh kw + out)
+    else:
+        per = (x.numel() // (n * x.shape[-1])) * (x.shape[-1] + Bt.shape[-1])  # tokens x (in + out)
+    rows = GROUP_COST_MACS.get(x.device.type, GROUP_COST_MACS["cuda"]) // max(per, 1)
+    return 1 << (rows.bit_length() - 1) if rows else 0
+
+
+def lora_rows(
     x: torch.Tensor,
     A: torch.Tensor,
     Bt: torch.Tensor,
@@ -128,11 +154,10 @@ def gathered_lora(
     padding: list[int],
 ) -> torch.Tensor:
     """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), grouped
-    by rank (`row_groups`). One operator to torch.compile: dynamo traces one node per layer instead of every step
-    below (which keeps the compile of a denoiser with a hundred LoRA layers short), and the groups, read from the
-    CPU plan when the operator runs, never reach a graph."""
+    by rank (`row_groups`)."""
     n, picks = x.shape[0], strength.shape[1]
-    groups = row_groups(tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist()))
+    ranks, only = tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist())
+    groups = row_groups(ranks, only, _group_rows(x, A, Bt))
     index, strength = index[: n * picks].view(n, picks), strength[:n]
     if len(groups) == 1 and len(groups[0][0]) == n:  # every row in one group: no gather, no scatter
         return _group(x, A, Bt, scaling, index, strength, *groups[0][1:], stride, padding)
@@ -145,6 +170,12 @@ def gathered_lora(
     return out
 
 
+# One operator to torch.compile: dynamo traces one node per layer instead of every step of `lora_rows` (which keeps
+# the compile of a denoiser with a hundred LoRA layers short), and the groups, read from the CPU plan when the operator
+# runs, never reach a graph. Eager layers call `lora_rows` itself: the dispatcher's overhead is paid per layer call.
+gathered_lora = torch.library.custom_op("lora_manager::gathered_lora", lora_rows, mutates_args=())
+
+
 @lru_cache(maxsize=1024)
 def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """A group's row numbers as an index tensor on `device`, made once per distinct group."""
@@ -153,7 +184,7 @@ def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def _group(x, A, Bt, scaling, index, strength, rank: int, only: int, stride, padding) -> torch.Tensor:
     """One group's LoRA output at `rank` columns: one adapter's plain branch for all rows (`only` >= 0), or each
-    row's picks gathered (a gather and two batched matmuls; for conv layers A as one convolution over every slot)."""
+    row's picks gathered (a gather and two batched matmuls; for conv layers A as one grouped convolution)."""
     n, picks = index.shape
     # strengths and scalings are float32; the product is cast to the stacks' dtype (float16/bfloat16 pipelines), since
     # bmm refuses mixed dtypes and type promotion would otherwise turn the half-precision rows to float32
@@ -169,16 +200,13 @@ def _group(x, A, Bt, scaling, index, strength, rank: int, only: int, stride, pad
     weight = weight.to(A.dtype)
     index = index.flatten()
     Bt = Bt[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, out]
-    if A.dim() == 5:  # [D, R, in, kh, kw]: a Conv2d layer
-        # A of every device slot as one convolution (D*R output channels; nothing depends on the row count), then
-        # each row's picks gathered; B (1x1) as a batched matmul
-        h = F.conv2d(x, A[:, :rank].flatten(0, 1), None, stride, padding)  # [n, D*R, H', W']
+    A = A[:, :rank].index_select(0, index)  # [n*P, R, in(, kh, kw)]
+    if A.dim() == 5:  # a Conv2d layer: every row's own A as one grouped convolution, B (1x1) as a batched matmul
+        h = F.conv2d(x.reshape(1, -1, *x.shape[2:]), A.flatten(0, 1), None, stride, padding, groups=n)
         size = h.shape[-2:]
-        h = h.view(n, A.shape[0], -1)  # [n, D, R*H'W']
-        h = h.gather(1, index.view(n, picks, 1).expand(n, picks, h.shape[-1]))  # [n, P, R*H'W']
         h = (h.view(n, picks, rank, -1) * weight[:, :, None, None]).view(n, picks * rank, -1)  # [n, P*R, H'W']
         return torch.bmm(Bt.transpose(1, 2), h).view(n, -1, *size)
-    A = A[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, in]
+    A = A.view(n, picks * rank, -1)  # [n, P*R, in]
     h = torch.bmm(x.reshape(n, -1, x.shape[-1]), A.transpose(1, 2))  # [n, L, P*R]
     h = (h.view(n, -1, picks, rank) * weight[:, None, :, None]).view(n, -1, picks * rank)
     return torch.bmm(h, Bt).view(*x.shape[:-1], -1)
@@ -221,9 +249,10 @@ class GatheredLora:
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         output = self.base_layer(x, *args, **kwargs)
         rows = self.rows
-        if not torch.compiler.is_compiling() and not rows.active[self.layer]:  # eager: no row computes here
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not rows.active[self.layer]:  # eager: no row of this batch computes here
             return output
-        delta = gathered_lora(
+        delta = (gathered_lora if compiling else lora_rows)(
             x.to(self.A.dtype),
             self.A,
             self.Bt,
