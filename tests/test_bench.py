@@ -99,10 +99,10 @@ SKEW_RUN_KEYS = {
 
 @pytest.fixture(scope="module")
 def skew_run(tmp_path_factory):
-    """The skewed load test, small: 40 adapters, 24 requests of 2 steps per run, a cache for 40% of the adapters'
+    """The skewed load test, small: 40 adapters, 24 requests of 2 steps per run, a cache for half the adapters'
     bytes: room for the largest five (four live on the device, one coming in), too little for all."""
     out = tmp_path_factory.mktemp("skewtest") / "skewtest.json"
-    argv = ["skewtest", "--adapters", "40", "--cache-fraction", "0.4", "--requests", "24", "--clients", "4"]
+    argv = ["skewtest", "--adapters", "40", "--cache-fraction", "0.5", "--requests", "24", "--clients", "4"]
     assert main([*argv, "--steps", "2", "--json", str(out)]) == 0
     return json.loads(out.read_text())
 

@@ -226,7 +226,8 @@ def summary(out: dict) -> str:
             f"  {r['name']}: {r['answered']}/{r['requests']} answered, {r['failed']} failed, "
             f"{r['distinct_adapters']} distinct; {r['throughput_rps']:.2f} req/s, p50 {p50} s, p99 {p99} s; cache "
             f"{r['cache_hits']} hits / {r['cache_misses']} misses / {r['cache_evictions']} evictions, worker reads "
-            f"{r['worker_reads']}, peak {r['peak_cache_bytes'] / 2**20:.1f} MiB; {r['batches']} batches, "
+            f"{r['worker_reads']}, peak {r['peak_cache_bytes'] / 2**20:.1f} MiB; resident memory "
+            f"+{(r['rss_peak_bytes'] - r['rss_start_bytes']) / 2**20:.0f} MiB at its peak; {r['batches']} batches, "
             f"{r['swaps']} swaps, {r['recompiles']} recompiles"
         )
     lines.append(
