@@ -58,6 +58,7 @@ import lora_manager
 from lora_manager import AdapterInfo, LoraManager, LoraManagerError
 from lora_manager.errors import EngineClosedError, QueueFullError, UnknownAdapterError
 from lora_manager.request_schema import MAX_ID_CHARS, MAX_PROMPT_CHARS, normalize_mix, shorten
+from lora_manager.serving import compare as comparing
 from lora_manager.serving.additions import Additions
 from lora_manager.serving.protocol import Engine
 from lora_manager.serving.remote import RemoteManager
@@ -83,12 +84,13 @@ _STRATEGIES_LOCK = threading.Lock()  # one measurement at a time, in a process o
 # Gradio lets this many generate calls reach the engine at once; its scheduler runs one at a time, grouped by adapter,
 # and answers "Busy ... retry" when its own queue is full.
 GENERATE_CONCURRENCY = 8
+COMPARE_MAX = 8  # adapters one comparison runs: one click queues at most twice this many images
 ZERO_GPU_NOTE = (
     "On ZeroGPU the engine runs eager (torch.compile is unavailable there) and one request per pipeline "
     "call: the move to the GPU worker splits the stacked adapter tensors that mixed batches share."
 )
 CSS = """
-#gallery .thumbnail-item img, #output-image img { image-rendering: pixelated; }
+#gallery .thumbnail-item img, #compare-gallery .thumbnail-item img, #output-image img { image-rendering: pixelated; }
 #output-image img { width: 100%; height: 100%; object-fit: contain; }
 #gallery .grid-wrap.fixed-height { min-height: 0; }
 #info-panel { min-height: 7em; }
@@ -517,6 +519,68 @@ def strategies(repeats: int, progress=gr.Progress()):
         _STRATEGIES_LOCK.release()
 
 
+def compare(
+    space: Space,
+    adapter_ids: list[str],
+    prompt: str,
+    add_trigger: bool = True,
+    seed: int = 0,
+    steps: int | None = None,
+    request: gr.Request | None = None,
+    progress=gr.Progress(),
+) -> tuple[list[tuple], str]:
+    """The Compare tab: one prompt and seed with each chosen adapter (this visitor's, at most COMPARE_MAX, each at
+    its catalog strength and with its trigger when asked) as one mixed batch, then one by one; the batch's images
+    captioned with their ids, and both times. Where the engine runs one request per call (max_batch 1, as on ZeroGPU)
+    the tab stays: it still shows the adapters side by side, and says the batch ran one per call instead of timing
+    the same calls twice. UI only: an API client gets the same from concurrent /generate calls."""
+    ids = _compare_ids(space, adapter_ids, _session(request))
+    prompt = _text(prompt, "Prompt", MAX_PROMPT_CHARS)
+    seed, steps = round(_float(seed, "Seed", 0.0)), round(_float(steps, "Steps", 0.0)) or None
+    engine, desc = space.engine, "one mixed batch, then one by one"
+    space.additions.touch(ids)
+    try:
+        triggered = {i: _with_triggers(engine, prompt, [i]) if add_trigger is True else prompt for i in ids}
+        rows = [comparing.Row(i, triggered[i], engine.spec(i).strength) for i in ids]
+        done = comparing.compare(engine, rows, seed, steps, lambda n, total: progress((n, total), desc, unit="images"))
+    except LoraManagerError as e:
+        raise refusal(e) from e
+    return [(r.image, i) for r, i in zip(done.results, ids, strict=True)], compare_markdown(done)
+
+
+def _compare_ids(space: Space, adapter_ids, session: str) -> list[str]:
+    """The chosen adapters, each once, refused unless they are 1 to COMPARE_MAX of this visitor's."""
+    if not isinstance(adapter_ids, list) or not all(isinstance(i, str) for i in adapter_ids):
+        raise Refusal(f"adapters must be a list of adapter ids, got {shorten(adapter_ids)}.")
+    ids, visible = list(dict.fromkeys(adapter_ids)), [a.id for a in space.adapters(session)]
+    if not 1 <= len(ids) <= COMPARE_MAX:
+        raise Refusal(f"Choose 1 to {COMPARE_MAX} adapters to compare, got {len(ids)}.")
+    for adapter_id in ids:
+        if adapter_id not in visible:
+            raise Refusal(f"Unknown adapter {shorten(adapter_id)}; available: {visible}.")
+    return ids
+
+
+def compare_markdown(done: comparing.Comparison) -> str:
+    """The Compare tab's timing line: the batch's time and pipeline calls beside one by one's, and the speed-up."""
+    n, calls = len(done.results), f"{done.batch_calls} pipeline call{'s' * (done.batch_calls != 1)}"
+    batch = f"**one mixed batch:** {done.batch_s:.2f} s ({calls} for {n} image{'s' * (n != 1)})"
+    if done.solo_s is None:
+        return (
+            f"{batch}. This engine runs one request per pipeline call (max_batch 1, as on ZeroGPU): one by one would "
+            "run the same calls, so they are not timed twice."
+        )
+    return (
+        f"{batch} · **one by one:** {done.solo_s:.2f} s ({n} calls) · **{done.speedup:.1f}× as fast** batched; "
+        f"every batch image equals its one-by-one image within {done.max_levels} of 255 levels"
+    )
+
+
+def compare_choices(space: Space, request: gr.Request | None = None) -> gr.Dropdown:
+    """The Compare tab's adapters when it opens: this visitor's (their additions included)."""
+    return gr.Dropdown(choices=adapter_choices(space, _session(request))[1:])
+
+
 def _bind(fn: Callable, *bound) -> Callable:
     """`fn` with its first arguments (the Space, ...) filled in, as Gradio should see it: the same name, docstring
     and parameters (minus those), so its API page, `gr.Progress`, `gr.Request` and `gr.SelectData` work as for a
@@ -695,6 +759,43 @@ def _strategies_tab() -> None:
     measure.click(strategies, repeats, [plot, table, report], api_name="strategies")
 
 
+def _compare_tab(space: Space) -> None:
+    """One prompt and seed with many adapters as one mixed batch beside one by one (`compare`), one run at a time."""
+    engine = space.engine
+    choices = adapter_choices(space, "")[1:]
+    with gr.Tab("Compare") as tab:
+        gr.Markdown(
+            "One prompt and seed with each adapter chosen below, sent at once: the engine runs requests with the same "
+            "settings together, each row of a pipeline call with its own LoRA. Then the same images one by one."
+        )
+        adapters = gr.Dropdown(
+            choices,
+            value=[i for _, i in choices[:COMPARE_MAX]],
+            multiselect=True,
+            max_choices=COMPARE_MAX,
+            label=f"adapters (up to {COMPARE_MAX})",
+            elem_id="compare-adapters",
+        )
+        prompt = gr.Textbox("a red circle on a blue background", label="Prompt", elem_id="compare-prompt")
+        with gr.Row():
+            add_trigger = gr.Checkbox(True, label="add trigger words")
+            seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
+            default_steps = int(engine.generation_defaults.get("num_inference_steps", 20))
+            steps = gr.Slider(1, 50, default_steps, step=1, label="Steps", elem_id="compare-steps")
+        run = gr.Button("Compare", variant="primary", elem_id="compare-run")
+        timing = gr.Markdown("*Run to see the batch's time beside one by one's.*", elem_id="compare-timing")
+        gallery = gr.Gallery(label="one mixed batch", columns=4, height="auto", format="png", elem_id="compare-gallery")
+    tab.select(_bind(compare_choices, space), None, adapters, api_visibility="private", queue=False)
+    run.click(
+        gpu(_bind(compare, space)),
+        [adapters, prompt, add_trigger, seed, steps],
+        [gallery, timing],
+        api_visibility="private",
+        concurrency_limit=1,
+        concurrency_id="compare",
+    )
+
+
 def build_demo(engine: Engine, additions: Additions | None = None, max_adapter_bytes: int | None = None) -> gr.Blocks:
     """The Blocks app over `engine` (`LoraManager` in-process or `RemoteManager`), with visitors' additions kept by
     `additions` (default: per visitor, `Additions()`'s limits) and capped at `max_adapter_bytes` a file; the caller
@@ -704,6 +805,7 @@ def build_demo(engine: Engine, additions: Additions | None = None, max_adapter_b
         gr.Markdown(_header(engine))
         with gr.Tab("Generate"):
             _generate_tab(demo, space)
+        _compare_tab(space)
         with gr.Tab("Strategies"):
             _strategies_tab()
     return demo

@@ -159,6 +159,41 @@ def cmd_loadtest(args: argparse.Namespace) -> None:
     loadtest.main(args.clients, args.requests, args.seed, args.json, args.preset, args.max_batch, args.rounds)
 
 
+def cmd_skewtest(args: argparse.Namespace) -> None:
+    from .bench import skewtest
+
+    skewtest.main(
+        args.adapters,
+        args.zipf,
+        args.cache_fraction,
+        args.compile,
+        args.max_batch,
+        args.clients,
+        args.requests,
+        args.steps,
+        args.seed,
+        args.json,
+        args.preset,
+    )
+
+
+def add_skewtest(sub) -> None:
+    """The `skewtest` command's flags (defaults: the README's run)."""
+    skew = sub.add_parser("skewtest", help="many adapters, a small CPU cache, Zipf-skewed requests vs one adapter")
+    skew.add_argument("--adapters", type=int, default=300, help="LoRAs to write and register (ranks 2-32)")
+    skew.add_argument("--zipf", type=float, default=1.1, help="the Zipf exponent s of the adapters' popularity")
+    skew.add_argument("--cache-fraction", type=float, default=0.1, help="CPU cache budget, a fraction of their bytes")
+    skew.add_argument("--compile", action="store_true", help="torch.compile the denoiser (at start)")
+    skew.add_argument("--max-batch", type=int, default=4, help="requests one pipeline call may hold")
+    skew.add_argument("--clients", type=int, default=8, help="client threads sending at once")
+    skew.add_argument("--requests", type=int, default=240, help="per run, over all clients")
+    skew.add_argument("--steps", type=int, default=4, help="denoising steps of every request")
+    skew.add_argument("--seed", type=int, default=0)
+    skew.add_argument("--preset", default="tiny")
+    skew.add_argument("--json", type=Path, default=None)
+    skew.set_defaults(func=cmd_skewtest)
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from .serving import ray_app as serve  # needs `pip install "ray[serve]"`
 
@@ -269,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--max-batch", type=int, default=8, help="requests one pipeline call may hold")
     load.add_argument("--rounds", type=int, default=3, help="the batching servers run in turn this many times")
     load.set_defaults(func=cmd_loadtest)
+    add_skewtest(sub)
 
     srv = sub.add_parser("serve", help="Ray Serve: N replicas behind the OpenAI Images API and POST /generate")
     srv.add_argument("--replicas", type=int, default=2)

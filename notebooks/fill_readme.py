@@ -24,6 +24,10 @@ BENCH = {  # other runs quoted next to the notebook's tiny-model row in the Perf
     "SDXL-size, CPU, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_cpu.json",
     "SDXL-size, H200, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_h200.json",
 }
+SKEWTEST = {  # `python -m lora_manager skewtest [--compile] --json PATH`: one row per mode whose run is committed
+    "eager": ROOT / "notebooks" / "figures" / "skewtest_tiny_cpu.json",
+    "compiled": ROOT / "notebooks" / "figures" / "skewtest_tiny_cpu_compiled.json",
+}
 BENCH_COLUMNS = (
     "floor_flat_ms",
     "floor_per_tensor_ms",
@@ -137,7 +141,33 @@ def performance_block(data: dict) -> str:
     return "\n".join(lines)
 
 
-BLOCKS = {"tutorial": tutorial_block, "performance": performance_block}
+def skewtest_block(data: dict) -> str:
+    """The skewed load test's table: per mode, the one-adapter run against the Zipf run on the same engine."""
+    header = (
+        "| tiny, CPU | req/s: one → Zipf | p50 / p99 s: one → Zipf | failed | Zipf: adapters drawn; cache hits / "
+        "misses / evictions; worker reads | recompiles |"
+    )
+    lines = [header, "|" + "---|" * 6]
+    for mode, path in SKEWTEST.items():
+        if not path.exists():
+            continue
+        r = json.loads(path.read_text())
+        one, zipf = r["runs"]
+        latency = lambda run: f"{fmt(run['latency_p50_s'])} / {fmt(run['latency_p99_s'])}"  # noqa: E731
+        cache = " / ".join(str(zipf[k]) for k in ("cache_hits", "cache_misses", "cache_evictions"))
+        reads = "—" if zipf["worker_reads"] is None else zipf["worker_reads"]
+        cells = [
+            f"{fmt(one['throughput_rps'])} → {fmt(zipf['throughput_rps'])} ({r['skewed_over_one_throughput']:.2f}×)",
+            f"{latency(one)} → {latency(zipf)} (p99 {r['skewed_over_one_p99']:.2f}×)",
+            one["failed"] + zipf["failed"],
+            f"{zipf['distinct_adapters']}; {cache}; {reads}",
+            one["recompiles"] + zipf["recompiles"],
+        ]
+        lines.append(f"| {mode} | " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+BLOCKS = {"tutorial": tutorial_block, "performance": performance_block, "skewtest": skewtest_block}
 
 
 def fill(text: str, data: dict) -> str:

@@ -5,12 +5,17 @@ Leaves a screenshot in test-artifacts/app.png.
 
 from __future__ import annotations
 
+import io
 import json
 from urllib.parse import urlparse
 
+import httpx
 import pytest
+from PIL import Image
 
-from helpers import APP_MARKS, CATALOG, ROOT, adapter_ids, running_app
+from lora_manager.testing import levels
+
+from helpers import APP_MARKS, CATALOG, PROMPT, ROOT, adapter_ids, running_app
 
 playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = [*APP_MARKS, pytest.mark.browser]
@@ -97,3 +102,32 @@ def test_generate_swap_and_add(page):
 
     SCREENSHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+
+def _solo(url: str, adapter: dict, steps: int) -> Image.Image:
+    """The adapter's image from /generate as the Compare tab asks for it: its trigger added, its catalog strength."""
+    trigger, app = adapter.get("trigger", ""), urlparse(url)
+    prompt = f"{PROMPT}, {trigger}" if trigger and trigger not in PROMPT else PROMPT
+    data = [prompt, adapter["id"], adapter.get("strength", 1.0), 0, steps]
+    answer = httpx.post(f"{app.scheme}://{app.netloc}/gradio_api/run/generate", json={"data": data}, timeout=300).json()
+    return Image.open(io.BytesIO(httpx.get(answer["data"][0]["url"], timeout=60).content)).convert("RGB")
+
+
+def test_compare_shows_every_adapter_from_one_mixed_batch(page):
+    """The Compare tab with every adapter (its default): one captioned image each, equal to that adapter's image
+    served alone, and the batch's time beside one by one's."""
+    page.get_by_role("tab", name="Compare").click()
+    steps = page.locator("#compare-steps input[type=number]")
+    steps.fill("2")
+    steps.press("Enter")
+    page.locator("#compare-run").click()
+    timing = page.locator("#compare-timing")
+    playwright.expect(timing).to_contain_text(f"pipeline calls for {len(adapter_ids())} images", timeout=TIMEOUT_MS)
+    playwright.expect(timing).to_contain_text("one by one:")
+    playwright.expect(timing).to_contain_text("as fast")
+    items = page.locator("#compare-gallery button.thumbnail-item")
+    assert items.locator(".caption-label").all_inner_texts() == adapter_ids()
+    for adapter, item in zip(json.loads(CATALOG.read_text())["adapters"], items.all(), strict=True):
+        src = item.locator("img").get_attribute("src")
+        shown = Image.open(io.BytesIO(page.request.get(src).body())).convert("RGB")
+        assert levels(shown, _solo(page.url, adapter, 2)) <= 1, adapter["id"]

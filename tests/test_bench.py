@@ -74,3 +74,59 @@ def test_engine_swap_equals_diffusers_hotswap_in_half_precision(dtype):
     the same weights and outputs."""
     check = bench.engine_matches_hotswap(bench.tiny_workload(torch.device("cpu"), dtype))
     assert check["ok"] and check["output_lora_effect"] > 1e-2, check
+
+
+SKEW_RUN_KEYS = {
+    "requests",
+    "answered",
+    "failed",
+    "distinct_adapters",
+    "throughput_rps",
+    "latency_p50_s",
+    "latency_p99_s",
+    "cache_hits",
+    "cache_misses",
+    "cache_evictions",
+    "worker_reads",
+    "batches",
+    "swaps",
+    "recompiles",
+    "peak_cache_bytes",
+    "cache_budget_bytes",
+    "rss_peak_bytes",
+}
+
+
+@pytest.fixture(scope="module")
+def skew_run(tmp_path_factory):
+    """The skewed load test, small: 40 adapters, 24 requests of 2 steps per run, a cache for half the adapters'
+    bytes: room for the largest five (four live on the device, one coming in), too little for all."""
+    out = tmp_path_factory.mktemp("skewtest") / "skewtest.json"
+    argv = ["skewtest", "--adapters", "40", "--cache-fraction", "0.5", "--requests", "24", "--clients", "4"]
+    assert main([*argv, "--steps", "2", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_skewtest_report_is_complete(skew_run):
+    assert skew_run["refused"] == {}
+    assert [r["name"] for r in skew_run["runs"]] == ["one adapter", "Zipf(1.1) over 40"]
+    for run in skew_run["runs"]:
+        assert SKEW_RUN_KEYS <= run.keys()
+        assert run["failed"] == 0 and run["answered"] == run["requests"] == 24, run["errors"]
+        assert 0 < run["latency_p50_s"] <= run["latency_p99_s"]
+        assert run["peak_cache_bytes"] <= run["cache_budget_bytes"] == skew_run["cache_budget_bytes"]
+        assert -(-run["answered"] // skew_run["max_batch"]) <= run["batches"] <= run["answered"]
+        assert run["recompiles"] == 0
+    one, skewed = skew_run["runs"]
+    assert skew_run["skewed_over_one_throughput"] == pytest.approx(skewed["throughput_rps"] / one["throughput_rps"])
+    assert skew_run["skewed_over_one_p99"] == pytest.approx(skewed["latency_p99_s"] / one["latency_p99_s"])
+
+
+def test_skewtest_counts_are_consistent(skew_run):
+    one, skewed = skew_run["runs"]
+    # the one adapter stays on the device after the warm-up: no swap, so no cache lookup
+    assert one["distinct_adapters"] == 1 and one["swaps"] == one["cache_hits"] + one["cache_misses"] == 0
+    assert 1 < skewed["distinct_adapters"] <= skew_run["adapters"]
+    # every adapter swapped onto the device was looked up in the CPU cache; a cache at 60% of the bytes misses some
+    assert skewed["cache_hits"] + skewed["cache_misses"] >= skewed["swaps"] >= 1
+    assert skewed["cache_misses"] >= 1
