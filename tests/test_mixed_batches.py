@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.adapters.inspection import BLOCKS, CONV
-from lora_manager.hotswap.batched import row_groups
+from lora_manager.hotswap.batched import GROUP_COST_MACS, row_groups
 from lora_manager.testing import levels, snapshot, write_adapter
 
 from engine_helpers import assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
@@ -163,7 +163,10 @@ def ranked_dir(tmp_path_factory):
     ],
     ids=["ranks-2-3-64-none", "kohya-te-pairs-same-adapter"],
 )
-def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(ranked_dir, batch):
+@pytest.mark.parametrize("group_cost", [0, None], ids=["every-bucket-its-own-group", "buckets-merged-where-cheaper"])
+def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(ranked_dir, batch, group_cost, monkeypatch):
+    if group_cost is not None:  # every rank bucket a group of its own: rows gathered and scattered back
+        monkeypatch.setitem(GROUP_COST_MACS, "cpu", group_cost)
     catalog = make_catalog(ranked_dir, tuple(RANKED))
     m = LoraManager(load_tiny(), catalog, max_batch=4, slots=2, device_slots=6)
     assert m.target_rank == 64

@@ -100,10 +100,10 @@ class BatchRows:
 
 
 # What one more group costs beyond its multiply-adds (its gathers, launches and Python), in multiply-adds: rows of a
-# low rank join a higher bucket's group when the columns they would compute for nothing cost less than that. The CPU
-# value is of the order of one group's overhead on a desktop core; the CUDA one is an estimate from kernel launch
-# latency, not measured (`python -m lora_manager gpu-check` times mixed batches on a GPU).
-GROUP_COST_MACS = {"cpu": 2_000_000, "cuda": 500_000_000}
+# low rank join a higher bucket's group when the columns they would compute for nothing cost less than that. Small
+# matmuls run far below peak, so the CPU value is set from timing mixed batches of the tiny preset, where merging won;
+# the CUDA value is an estimate from kernel launch latency, not yet timed (`python -m lora_manager gpu-check`).
+GROUP_COST_MACS = {"cpu": 200_000_000, "cuda": 500_000_000}
 
 
 @lru_cache(maxsize=4096)
