@@ -8,11 +8,13 @@ torch: the policy is plain bookkeeping over ids, sizes and counts.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEPTH = 4  # rows of the count-min sketch: an id's estimate is its smallest counter, so collisions rarely inflate it
+CELL_BITS = 16  # each row's cell comes from its own 16 bits of one 64-bit digest: widths up to 2**16
 MAX_COUNT = 15  # counters saturate here (TinyLFU's 4 bits): a hot adapter needs no higher count to win
 
 
@@ -21,14 +23,16 @@ class FrequencySketch:
     recorded requests every counter halves, so the counts follow what is popular now rather than since start-up."""
 
     def __init__(self, width: int = 1024, sample: int | None = None):
-        self.width = 1 << max(0, width - 1).bit_length()
+        self.width = min(1 << max(0, width - 1).bit_length(), 1 << CELL_BITS)
         self.sample = sample or 10 * self.width
         self._rows = [[0] * self.width for _ in range(DEPTH)]
         self._recorded = 0
         self._lock = threading.Lock()  # requests are recorded from the callers' threads
 
     def _cells(self, key: str) -> list[int]:
-        return [hash((row, key)) & (self.width - 1) for row in range(DEPTH)]
+        """The key's counter in each row (a digest, not `hash`: the same cells in every process, for every run)."""
+        digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+        return [(digest >> (CELL_BITS * row)) & (self.width - 1) for row in range(DEPTH)]
 
     def record(self, key: str) -> None:
         """Count one request for `key` (conservative update: only its smallest counters grow)."""
