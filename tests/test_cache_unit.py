@@ -3,6 +3,7 @@ loader that reads missed adapters off the worker thread (tests/test_cache.py run
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -113,3 +114,21 @@ def test_a_failed_read_is_handed_over_once_and_read_again_when_asked():
     with pytest.raises(ValueError, match="corrupt"):
         loader.take("bad")
     assert loader.report()["background_load_failures"] == 2
+
+
+def test_a_forked_child_starts_with_no_reads_and_reads_on_its_own():
+    """ZeroGPU forks the process for each GPU call: the parent's read in flight has no thread in the child."""
+    loader, gates, order, done = gated_loader()
+    loader.want(["a"])  # held by its gate in the parent
+    pid = os.fork()
+    if pid == 0:  # the child: nothing in flight, and a read of its own finishes
+        gates["b"].set()
+        state = loader.report()
+        loader.want(["a", "b"])
+        ok = state["loads_in_flight"] == 0 and done.acquire(timeout=5) and loader.take("b") == "weights of b"
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert loader.report()["loads_in_flight"] == 1  # the parent's read is still its own
+    gates["a"].set()
+    assert done.acquire(timeout=5) and loader.take("a") == "weights of a"
