@@ -104,8 +104,14 @@ class LoraManager:
         with _timed(self.startup_s, "template"):
             self._build_template(staged, target_rank, slots, resident)
             self.scheduler = Scheduler(
-                self._run_batch, self.residency.live, max_queue=max_queue, max_batch=max_batch, capacity=resident
+                self._run_batch,
+                self.residency.live,
+                max_queue=max_queue,
+                max_batch=max_batch,
+                capacity=resident,
+                loads=self.registry.loader,
             )
+            self.registry.loader.on_done = self.scheduler.wake
         generation = {**self.generation_defaults, "max_batch": max_batch}
         self.compilation = Compilation(pipe, self.components[self.denoiser_name], self.residency.rows, generation)
         self.compiled, self.aot = bool(compile), None
@@ -262,6 +268,7 @@ class LoraManager:
         req = check_request(prompt, adapter, strength, seed, steps, self.max_adapters)
         for adapter_id, _ in req.adapters:
             self.registry.require(adapter_id)
+            self.store.record(adapter_id)  # what the CPU cache keeps follows how often each adapter is asked for
         params = {**self.generation_defaults, **pipe_kwargs}
         if req.steps is not None:
             params["num_inference_steps"] = req.steps
@@ -272,6 +279,8 @@ class LoraManager:
         adapters become resident (`Residency.make_resident`), and an adapter refused on its way in fails only the
         requests that named it."""
         with self._lock:
+            batch = {a for r in requests for a in r.adapter_ids}
+            self.store.protected = frozenset(self.scheduler.upcoming()) | batch  # the queued stay cached
             swap = self.residency.make_resident([r.adapters for r in requests])
             runnable = [r for r in requests if swap.runs(r.adapter_ids)]
             images, generate_ms = self._call(runnable) if runnable else ([], 0.0)
@@ -306,7 +315,7 @@ class LoraManager:
         with self._lock:
             engine = {"compiled": self.compiled, "dtype": self.dtype_name, "target_rank": self.target_rank}
             engine["max_batch"] = self.max_batch
-            parts = (self.residency, self.compilation, self.store, self.scheduler)
+            parts = (self.residency, self.compilation, self.store, self.registry.loader, self.scheduler)
             return engine | {k: v for part in parts for k, v in part.report().items()}
 
     @property

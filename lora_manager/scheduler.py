@@ -7,6 +7,10 @@ request has waited `max_wait_s`, it serves the oldest request instead, so no ada
 With `max_batch` > 1 a batch mixes adapters (each row runs its own, see `hotswap/batched.py`): after the head request it
 takes, in arrival order, every queued request with the same generation parameters while the batch's adapters fit in
 the `capacity` device slots.
+
+With `loads` (the engine's `adapters/loader.py`), only requests whose adapters are ready (cached, or read in the
+background) are picked: the adapters of the others are read on background threads, oldest request first, while the
+ready ones run, and a failed read fails exactly the requests that named that adapter.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import EngineClosedError, QueueFullError
 from .request_schema import Mix
@@ -56,6 +60,19 @@ class _Queued:
     enqueued: float
 
 
+class Loads(Protocol):
+    """The background reads the scheduler steers (`adapters.loader.AdapterLoader`)."""
+
+    def ready(self, adapter_id: str) -> bool: ...
+
+    def want(self, adapter_ids: list[str]) -> None: ...
+
+    def failures(self) -> dict[str, BaseException]: ...
+
+    def keep_only(self, adapter_ids: set[str]) -> None: ...
+
+
+LOAD_POLL_S = 0.5  # a worker waiting for reads looks again this often, even if no finished read woke it
 WAIT_WINDOW = 1024  # queue waits kept for percentiles: a server that runs for weeks keeps the recent ones only
 
 
@@ -87,6 +104,7 @@ class Scheduler:
         max_batch: int = 1,
         capacity: int = 1,
         batch_window_s: float = 0.01,
+        loads: Loads | None = None,
     ):
         self.run_batch = run_batch
         self.live_adapters = live_adapters
@@ -98,6 +116,7 @@ class Scheduler:
         # with max_batch > 1, how long an idle worker waits for a batch to fill once a first request arrives:
         # clients that send at nearly the same time then share one call instead of a lone first request taking one
         self.batch_window_s = batch_window_s
+        self.loads = loads
         self.stats = SchedulerStats()
         self._order = itertools.count()
         self._streak = 0
@@ -120,8 +139,21 @@ class Scheduler:
             if len(self._queue) >= self.max_queue:
                 raise QueueFullError(f"Busy: {len(self._queue)} requests are queued (limit {self.max_queue}); retry.")
             self._queue.append(_Queued(request, future, next(self._order), time.monotonic()))
+            if self.loads is not None:  # start its reads now, while the worker may be running a batch
+                self.loads.want(self._needs())
             self._cond.notify()
         return future
+
+    def wake(self) -> None:
+        """A background read finished: start the next ones and let the worker look at the queue again."""
+        with self._cond:
+            if self.loads is not None:
+                self.loads.want(self._needs())
+            self._cond.notify_all()
+
+    def _needs(self) -> list[str]:
+        """Adapters of queued requests, oldest request first (caller holds the condition)."""
+        return list(dict.fromkeys(i for q in sorted(self._queue, key=lambda q: q.order) for i in q.request.adapter_ids))
 
     def pending(self) -> int:
         with self._cond:
@@ -165,8 +197,27 @@ class Scheduler:
                         self._fill(time.monotonic() + self.batch_window_s)
                 if self._closed:
                     return
-                batch = self._pick()
-            self._run(batch)
+                failed = self._take_failed()
+                batch = self._pick() if self._queue else []
+                if not batch and not failed:  # every queued request waits for a read: until one finishes
+                    self._cond.wait(LOAD_POLL_S)
+            for q, error in failed:
+                if q.future.set_running_or_notify_cancel():
+                    q.future.set_exception(error)
+            if batch:
+                self._run(batch)
+
+    def _take_failed(self) -> list[tuple[_Queued, BaseException]]:
+        """Remove the queued requests naming an adapter whose background read failed, each with that error."""
+        errors = self.loads.failures() if self.loads is not None else {}
+        failed = [
+            (q, errors[min(errors.keys() & q.request.adapter_ids)])
+            for q in self._queue
+            if errors.keys() & q.request.adapter_ids
+        ]
+        for q, _ in failed:
+            self._queue.remove(q)
+        return failed
 
     def _fill(self, deadline: float) -> None:
         """Wait (holding the condition, released while waiting) until the queue holds max_batch requests, the
@@ -181,11 +232,18 @@ class Scheduler:
             self._start()
 
     def _pick(self) -> list[_Queued]:
-        """Choose the next group (caller holds the condition): live adapters first, within the fairness bounds.
-        One request at a time (`max_batch` 1) is ready when it needs exactly the live adapters; in mixed batches,
-        when all its adapters are live."""
+        """Choose the next group (caller holds the condition) among the requests whose adapters need no read (none:
+        an empty group): live adapters first, within the fairness bounds. One request at a time (`max_batch` 1) is
+        ready when it needs exactly the live adapters; in mixed batches, when all its adapters are live."""
         now = time.monotonic()
         queue = sorted(self._queue, key=lambda q: q.order)
+        if self.loads is not None:  # only requests whose adapters need no read; the others' reads start
+            needs = self._needs()
+            self.loads.keep_only(set(needs))
+            self.loads.want(needs)
+            queue = [q for q in queue if all(self.loads.ready(a) for a in q.request.adapter_ids)]
+            if not queue:
+                return []
         oldest = queue[0]
         live = self.live_adapters()
         ready = (lambda ids: ids == live) if self.max_batch == 1 else (lambda ids: ids <= live)

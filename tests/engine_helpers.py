@@ -76,14 +76,21 @@ def one(adapter: str | None, strength: float) -> tuple:
     return ((adapter, strength),) if adapter else ()
 
 
-def break_while_evicted(
-    m: LoraManager, adapter_dir: Path, victim: Path, monkeypatch, resident: tuple[str, ...]
-) -> None:
-    """Evict every adapter but `resident` from the CPU cache (a budget that holds only them and one filler), then
-    empty the evicted `victim` file: the engine finds it broken only when it re-reads it."""
-    monkeypatch.setattr(m.store, "budget_bytes", sum(m.info(a).bytes for a in resident) + m.info("r6_te").bytes)
-    m.register("filler", str(adapter_dir / "r6_te.safetensors"))  # evicts every adapter not resident
-    monkeypatch.undo()
+def evict_all_but(m: LoraManager, adapter_dir: Path, resident: tuple[str, ...]) -> None:
+    """Evict every adapter but `resident` from the CPU cache: for a moment a budget that holds only them and one
+    filler, which is registered (a registration is always kept, evicting the others)."""
+    budget = m.store.budget_bytes
+    m.store.budget_bytes = sum(m.info(a).bytes for a in resident) + m.info("r6_te").bytes
+    try:
+        m.register("filler", str(adapter_dir / "r6_te.safetensors"))
+    finally:
+        m.store.budget_bytes = budget
+
+
+def break_while_evicted(m: LoraManager, adapter_dir: Path, victim: Path, resident: tuple[str, ...]) -> None:
+    """Evict every adapter but `resident` from the CPU cache, then empty the evicted `victim` file: the engine finds it
+    broken only when it re-reads it."""
+    evict_all_but(m, adapter_dir, resident)
     assert m.info("victim").status == "evicted"
     victim.write_bytes(b"")
 

@@ -14,19 +14,40 @@ private repo asked without its token), `RevisionNotFound`, `EntryNotFound`. Faul
 per file (`Repo.file_faults`): "500" (HTTP 500), "hang" (no answer for `hang_s` seconds, or until the server
 stops), "cut" (GET sends the headers with the full Content-Length, writes half of the bytes and closes the
 connection; a resumed `Range` request gets its headers and is closed before any byte, like a link that always drops
-at the same point). Every request is recorded (`requests`: method, path, query, headers) before it is answered.
+at the same point), "slow" (a file's GET waits `slow_s` seconds before it is answered: a slow download). Every request
+is recorded (`requests`: method, path, query, headers) before it is answered. `hub_env` points huggingface_hub at it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import threading
+import types
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-FAULTS = ("500", "hang", "cut")
+from huggingface_hub import constants as hf_constants
+
+FAULTS = ("500", "hang", "cut", "slow")
+HF_ENV = (
+    "HF_ENDPOINT",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HUB_ETAG_TIMEOUT",
+    "HF_HUB_DOWNLOAD_TIMEOUT",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "HF_TOKEN_PATH",
+    "HF_OIDC_RESOURCE",
+    "HUGGINGFACE_CO_STAGING",
+)
 
 
 def commit_of(repo_id: str, revision: str) -> str:
@@ -60,9 +81,10 @@ class Request:
 class HubServer:
     """Context manager: `with HubServer({"owner/name": Repo(...)}) as hub:` then point HF_ENDPOINT at `hub.url`."""
 
-    def __init__(self, repos: dict[str, Repo], hang_s: float = 5.0):
+    def __init__(self, repos: dict[str, Repo], hang_s: float = 5.0, slow_s: float = 3.0):
         self.repos = repos
         self.hang_s = hang_s
+        self.slow_s = slow_s
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -242,6 +264,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "EntryNotFound", f"{filename} does not exist on {revision!r}", head, commit=commit)
             return
         data = files[filename]
+        if mode == "slow" and not head:
+            self.server_hub._stopping.wait(self.server_hub.slow_s)
         etag = hashlib.sha256(data).hexdigest()
         start = 0
         range_header = self.headers.get("Range")
@@ -284,3 +308,25 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if not head:
             self.wfile.write(payload)
+
+
+# -- environment ---------------------------------------------------------------------------------------------------
+def hub_env(monkeypatch, **env: str) -> None:
+    """Set the HF_* environment and apply it to huggingface_hub.constants the way a fresh import would."""
+    for name in HF_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spec = importlib.util.spec_from_file_location("_hf_constants_fresh", hf_constants.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    for name, value in vars(fresh).items():
+        if name.startswith("__") or callable(value) or isinstance(value, types.ModuleType):
+            continue
+        if getattr(hf_constants, name, None) != value:
+            monkeypatch.setattr(hf_constants, name, value)
+    if "HF_ENDPOINT" in env:
+        assert hf_constants.ENDPOINT == env["HF_ENDPOINT"]
+        assert hf_constants.HUGGINGFACE_CO_URL_TEMPLATE.startswith(env["HF_ENDPOINT"] + "/")
+    assert Path(hf_constants.HF_HUB_CACHE) == Path(env["HF_HOME"]) / "hub"
+    assert hf_constants.is_offline_mode() == (env.get("HF_HUB_OFFLINE") == "1")

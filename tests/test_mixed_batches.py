@@ -64,14 +64,14 @@ def test_every_row_of_a_mixed_batch_equals_plain_diffusers_alone(batched, adapte
     assert levels(results[0].image, base) > 1  # the first row really ran its adapter, not the base model
 
 
-def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_dir, tmp_path, monkeypatch):
+def test_a_refused_adapter_fails_only_its_requests_and_changes_no_slot(adapter_dir, tmp_path):
     """The bad file is found only when an evicted adapter is re-read for a batch: checked before any write."""
     shutil.copy(adapter_dir / "r4_kohya_te.safetensors", tmp_path / "victim.safetensors")
     m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn", "r7_conv", "r6_te")), max_batch=4)
     m.register("victim", str(tmp_path / "victim.safetensors"))
     good = [([("r4_attn", 0.7)], 1, PROMPT), ([("r7_conv", 1.0)], 2, PROMPTS[1]), ([], 3, PROMPTS[2])]
     expected = [r.image for r in run_together(m, good)]
-    break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", monkeypatch, ("r4_attn", "r7_conv"))
+    break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", ("r4_attn", "r7_conv"))
 
     before, swaps = snapshot(m.residency.slots), m.stats()["swaps"]
     gate = threading.Event()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from lora_manager.adapters.loader import AdapterLoader
 from lora_manager.errors import QueueFullError
 from lora_manager.scheduler import Request, Scheduler
 
@@ -91,3 +92,50 @@ def test_scheduler_fairness_holds_with_mixed_batches():
     [f.result(timeout=5) for f in futures]
     seeds = [[r.seed for r in batch] for batch in batches]
     assert [1] in seeds[: 1 + 3]  # served within max_consecutive batches of the live adapter's requests
+
+
+def loading_scheduler(resident: set[str], **kw) -> tuple[Scheduler, dict[str, threading.Event], list[list[Request]]]:
+    """A scheduler whose requests need their adapters `resident` or read by a real AdapterLoader; the read of `x`
+    waits for gates[x] and fails for ids starting with "bad". Batches run at once."""
+    gates: dict[str, threading.Event] = {}
+    batches: list[list[Request]] = []
+
+    def read(adapter_id: str) -> str:
+        gates.setdefault(adapter_id, threading.Event()).wait(10)
+        if adapter_id.startswith("bad"):
+            raise ValueError(f"{adapter_id} is corrupt")
+        resident.add(adapter_id)
+        return adapter_id
+
+    def run(batch: list[Request]):
+        batches.append(batch)
+        return [r.seed for r in batch]
+
+    loader = AdapterLoader(read, resident.__contains__)
+    s = Scheduler(run, frozenset, loads=loader, **kw)
+    loader.on_done = s.wake
+    return s, gates, batches
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_request_whose_adapter_is_read_does_not_hold_up_resident_ones(max_batch):
+    s, gates, batches = loading_scheduler({"a", "b"}, max_batch=max_batch, capacity=max_batch)
+    slow = s.submit(Request("p", (("slow", 1.0),), 0))
+    served = [s.submit(Request("p", ((x, 1.0),), i)).result(timeout=5) for i, x in enumerate("abab", start=1)]
+    assert served == [1, 2, 3, 4] and not slow.done()  # the resident ones ran while "slow" was being read
+    gates.setdefault("slow", threading.Event()).set()
+    assert slow.result(timeout=5) == 0
+    assert [r.seed for r in batches[-1]] == [0]
+
+
+def test_a_failed_read_fails_exactly_the_requests_that_named_it():
+    s, gates, batches = loading_scheduler({"a"})
+    bad = [s.submit(Request("p", (("bad", 1.0),), 0)), s.submit(Request("p", (("bad", 1.0), ("a", 1.0)), 1))]
+    good = s.submit(Request("p", (("a", 1.0),), 2))
+    assert good.result(timeout=5) == 2
+    gates.setdefault("bad", threading.Event()).set()
+    for future in bad:
+        with pytest.raises(ValueError, match="bad is corrupt"):
+            future.result(timeout=5)
+    assert s.submit(Request("p", (("a", 1.0),), 3)).result(timeout=5) == 3
+    assert all(r.seed in (2, 3) for batch in batches for r in batch)

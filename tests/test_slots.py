@@ -110,7 +110,7 @@ def test_mixed_requests_on_a_compiled_engine_never_recompile(compiled_manager, a
     assert len(requests) >= 20 and stats["slots"] == 2 and stats["recompiles"] == 0
 
 
-def test_a_bad_adapter_in_a_mix_leaves_every_slot_bit_identical(adapter_dir, tmp_path, monkeypatch):
+def test_a_bad_adapter_in_a_mix_leaves_every_slot_bit_identical(adapter_dir, tmp_path):
     """The bad file is found only when an evicted adapter is re-read for a mix: still checked before any write."""
     shutil.copy(adapter_dir / "r4_kohya_te.safetensors", tmp_path / "victim.safetensors")
     catalog = make_catalog(adapter_dir, ("r4_attn", "r7_conv", "r6_te"))
@@ -118,7 +118,7 @@ def test_a_bad_adapter_in_a_mix_leaves_every_slot_bit_identical(adapter_dir, tmp
     m.register("victim", str(tmp_path / "victim.safetensors"))
     live = [("r4_attn", 0.7), ("r7_conv", 1.0)]
     expected = image(m, live)
-    break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", monkeypatch, ("r4_attn", "r7_conv"))
+    break_while_evicted(m, adapter_dir, tmp_path / "victim.safetensors", ("r4_attn", "r7_conv"))
 
     snapshot, swaps = snapshot_slots(m), m.stats()["swaps"]
     for bad in ([("r4_attn", 0.7), ("victim", 1.0)], [("victim", 1.0), ("r7_conv", 0.5)]):

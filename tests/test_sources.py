@@ -2,10 +2,11 @@
 (tests/hub_server.py).
 
 huggingface_hub reads HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE and the timeouts into `huggingface_hub.constants` at
-import time, and the test process imported it long ago (test modules import diffusers). `hub_env` therefore sets the
-environment variables, re-executes the library's own constants.py with them in a scratch module and patches every
-value that differs into `huggingface_hub.constants` (monkeypatch undoes it); all the code used here reads them as
-`constants.X` at call time. `hub_env` then checks that the endpoint, cache and offline flag really changed.
+import time, and the test process imported it long ago (test modules import diffusers). `hub_env` (hub_server.py)
+therefore sets the environment variables, re-executes the library's own constants.py with them in a scratch module
+and patches every value that differs into `huggingface_hub.constants` (monkeypatch undoes it); all the code used here
+reads them as `constants.X` at call time. `hub_env` then checks that the endpoint, cache and offline flag really
+changed.
 
 No test can reach the real Hub: the autouse `net` fixture wraps `socket.getaddrinfo` (every outgoing connection of
 the client goes through `socket.create_connection`), refuses any host but 127.0.0.1 and records each lookup, so a
@@ -14,10 +15,8 @@ test can also prove that nothing was contacted at all. The emulator records ever
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -28,46 +27,9 @@ from safetensors.torch import load_file, save_file
 from lora_manager.adapters.sources import resolve
 from lora_manager.errors import AdapterSourceError, AdapterTooLargeError, LoraManagerError
 
-from hub_server import HubServer, Repo, commit_of
+from hub_server import HubServer, Repo, commit_of, hub_env
 
 TOKEN = "hf_localtestTOKENdoNotLeak0123456789"
-HF_ENV = (
-    "HF_ENDPOINT",
-    "HF_HOME",
-    "HF_HUB_CACHE",
-    "HUGGINGFACE_HUB_CACHE",
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "HF_HUB_ETAG_TIMEOUT",
-    "HF_HUB_DOWNLOAD_TIMEOUT",
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-    "HF_TOKEN_PATH",
-    "HF_OIDC_RESOURCE",
-    "HUGGINGFACE_CO_STAGING",
-)
-
-
-# -- environment ---------------------------------------------------------------------------------------------------
-def hub_env(monkeypatch, **env: str) -> None:
-    """Set the HF_* environment and apply it to huggingface_hub.constants the way a fresh import would."""
-    for name in HF_ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    spec = importlib.util.spec_from_file_location("_hf_constants_fresh", hf_constants.__file__)
-    fresh = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fresh)
-    for name, value in vars(fresh).items():
-        if name.startswith("__") or callable(value) or isinstance(value, types.ModuleType):
-            continue
-        if getattr(hf_constants, name, None) != value:
-            monkeypatch.setattr(hf_constants, name, value)
-    if "HF_ENDPOINT" in env:
-        assert hf_constants.ENDPOINT == env["HF_ENDPOINT"]
-        assert hf_constants.HUGGINGFACE_CO_URL_TEMPLATE.startswith(env["HF_ENDPOINT"] + "/")
-    assert Path(hf_constants.HF_HUB_CACHE) == Path(env["HF_HOME"]) / "hub"
-    assert hf_constants.is_offline_mode() == (env.get("HF_HUB_OFFLINE") == "1")
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import torch
 from ..errors import LoraManagerError, UnknownAdapterError
 from ..request_schema import shorten
 from ..specs import AdapterInfo, AdapterSpec
+from .loader import AdapterLoader
 from .reader import AdapterWeights, read_adapter
 from .sources import hub_cache_files, is_local_source, remove_files, resolve
 from .store import AdapterStore
@@ -59,7 +60,8 @@ class Template:
 
 class AdapterRegistry:
     """Reads adapter files for a pipeline's components, checks them against the template, and keeps the checked
-    weights in the CPU cache (`store`). Its callers hold the engine's lock for every change."""
+    weights in the CPU cache (`store`); `loader` re-reads evicted ones in the background. Its callers hold the
+    engine's lock for every change."""
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class AdapterRegistry:
         self.template: Template | None = None  # None until the engine has sized it from the catalog
         self._entries: dict[str, RegisteredAdapter] = {}
         self.refused: dict[str, str] = {}  # catalog adapters refused at start-up, with their reason
+        self.loader = AdapterLoader(self.reread, store.__contains__)
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._entries
@@ -121,7 +124,7 @@ class AdapterRegistry:
         log.warning("catalog adapter refused: %s", reason)
 
     def add(self, reg: RegisteredAdapter, weights: AdapterWeights) -> None:
-        self.store.put(reg.spec.id, weights)
+        self.store.put(reg.spec.id, weights, always=True)
         self._entries[reg.spec.id] = reg
         self.refused.pop(reg.spec.id, None)
 
@@ -163,12 +166,19 @@ class AdapterRegistry:
             )
         return reg
 
+    def reread(self, adapter_id: str) -> AdapterWeights:
+        """Read and check a registered adapter again (the file may have changed since), without the engine's lock."""
+        return self.read(self.require(adapter_id).spec)[1]
+
     def weights(self, adapter_id: str) -> AdapterWeights:
-        """From the CPU cache, or re-read (and re-checked: the file may have changed) after an eviction."""
-        reg = self.require(adapter_id)
+        """From the CPU cache, else the loader's background read, else read now (the worker's batch waits)."""
+        self.require(adapter_id)
         weights = self.store.get(adapter_id)
         if weights is None:
-            _, weights = self.read(reg.spec)
+            weights = self.loader.take(adapter_id)
+            if weights is None:
+                self.store.stats.worker_reads += 1
+                weights = self.reread(adapter_id)
             weights = self.store.put(adapter_id, weights)
         return weights
 

@@ -1,4 +1,8 @@
-"""A byte-bounded LRU of adapters held in CPU memory; the live adapter is pinned and never evicted.
+"""A byte-bounded cache of adapters held in CPU memory that keeps the often requested ones (TinyLFU admission, see
+`admission.py`); the live adapters are pinned and never evicted, the queued ones are evicted only to register one.
+
+A newcomer that would push out adapters requested at least as often is not kept: while it is pinned (live on the
+device) it is held as a guest, outside the budget (at most one per device slot), and dropped when it leaves the device.
 
 With `pin_memory` (CUDA), each adapter is packed into one page-locked buffer, and its cost is what CUDA's host
 allocator really holds for it: the buffer rounded up to a power of two. One buffer per adapter rather than one per
@@ -13,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import CacheBudgetError
+from .admission import Entry, FrequencySketch, choose_victims
 from .reader import AdapterWeights
 
 
@@ -21,6 +26,8 @@ class StoreStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    rejected: int = 0  # newcomers not kept: every room-making victim was requested at least as often
+    worker_reads: int = 0  # misses read on the scheduler's worker while its batch waited (not loaded in the background)
 
 
 class AdapterStore:
@@ -36,12 +43,19 @@ class AdapterStore:
         self.pin_memory = pin_memory
         self.on_evict = on_evict
         self.stats = StoreStats()
-        self._entries: OrderedDict[str, AdapterWeights] = OrderedDict()
+        self.sketch = FrequencySketch()
+        self.protected: frozenset[str] = frozenset()  # adapters queued requests need: evicted only to register one
+        self._entries: OrderedDict[str, AdapterWeights] = OrderedDict()  # least recently used first
         self._held: dict[str, int] = {}  # host bytes each entry holds
         self._pinned: set[str] = set()
+        self._guests: dict[str, AdapterWeights] = {}  # pinned newcomers that were not admitted
 
     def __contains__(self, adapter_id: str) -> bool:
-        return adapter_id in self._entries
+        return adapter_id in self._entries or adapter_id in self._guests
+
+    def record(self, adapter_id: str) -> None:
+        """Count a request for the adapter (cached or not): what admission and eviction compare."""
+        self.sketch.record(adapter_id)
 
     def report(self) -> dict[str, int]:
         """The cache's part of the engine's `stats()`."""
@@ -52,11 +66,14 @@ class AdapterStore:
             "cache_hits": self.stats.hits,
             "cache_misses": self.stats.misses,
             "cache_evictions": self.stats.evictions,
+            "cache_rejected": self.stats.rejected,
+            "cache_guests": len(self._guests),
+            "worker_reads": self.stats.worker_reads,
         }
 
     @property
     def nbytes(self) -> int:
-        """Host memory the cached adapters hold (page-locked: as the allocator rounds it)."""
+        """Host memory the cached adapters hold (page-locked: as the allocator rounds it); guests are not counted."""
         return sum(self._held.values())
 
     def entries(self) -> list[str]:
@@ -65,10 +82,13 @@ class AdapterStore:
     def get(self, adapter_id: str) -> AdapterWeights | None:
         weights = self._entries.get(adapter_id)
         if weights is None:
+            weights = self._guests.get(adapter_id)
+        if weights is None:
             self.stats.misses += 1
             return None
         self.stats.hits += 1
-        self._entries.move_to_end(adapter_id)
+        if adapter_id in self._entries:
+            self._entries.move_to_end(adapter_id)
         return weights
 
     def check_fits(self, adapter_id: str, weights: AdapterWeights) -> None:
@@ -76,7 +96,8 @@ class AdapterStore:
         self._check_room(adapter_id, held_bytes(weights, self.pin_memory))
 
     def _check_room(self, adapter_id: str, nbytes: int) -> None:
-        pinned = sum(self._held[i] for i in self._pinned if i in self._held and i != adapter_id)
+        held, pins = dict(self._held), set(self._pinned)  # copies: a background read checks while the worker puts
+        pinned = sum(held[i] for i in pins if i in held and i != adapter_id)
         if nbytes + pinned > self.budget_bytes:
             raise CacheBudgetError(
                 f"Adapter {adapter_id!r} needs {nbytes / 2**20:.1f} MiB but the CPU cache budget is "
@@ -85,20 +106,39 @@ class AdapterStore:
                 adapter_id,
             )
 
-    def put(self, adapter_id: str, weights: AdapterWeights) -> AdapterWeights:
-        """Insert (pinning host memory if asked), evicting least-recently-used unpinned entries to make room."""
+    def put(self, adapter_id: str, weights: AdapterWeights, always: bool = False) -> AdapterWeights:
+        """Insert (pinning host memory if asked), evicting the coldest unpinned entries to make room; a newcomer
+        colder than a victim it needs is returned unkept, held as a guest until unpinned. `always` (a registration)
+        keeps it whatever the victims' counts."""
         held = held_bytes(weights, self.pin_memory)
         self._check_room(adapter_id, held)
         if adapter_id in self._entries:
             self._drop(adapter_id)
-        while self.nbytes + held > self.budget_bytes:
-            self._drop(next(i for i in self._entries if i not in self._pinned))
+        self._guests.pop(adapter_id, None)
+        victims = self._victims(adapter_id, held, always)
+        if victims is None:
+            self.stats.rejected += 1
+            self._guests[adapter_id] = weights
+            return weights
+        for victim in victims:
+            self._drop(victim)
             self.stats.evictions += 1
         if self.pin_memory:
             weights = packed(weights, pin_memory=True)
         self._entries[adapter_id] = weights
         self._held[adapter_id] = held
         return weights
+
+    def _victims(self, adapter_id: str, held: int, always: bool) -> list[str] | None:
+        """What `put` evicts: unpinned, unqueued entries by frequency; a registration may take queued ones too."""
+        need = self.nbytes + held - self.budget_bytes
+        evictable = [i for i in self._entries if i not in self._pinned]
+        entries = [Entry(i, self._held[i], self.sketch.estimate(i)) for i in evictable if i not in self.protected]
+        victims = choose_victims(self.sketch.estimate(adapter_id), need, entries, always)
+        if victims is None and always:
+            entries = [Entry(i, self._held[i], self.sketch.estimate(i)) for i in evictable]
+            victims = choose_victims(0, need, entries, always=True)
+        return victims
 
     def discard(self, adapter_id: str) -> None:
         """Remove an entry that is not pinned (an unregistered adapter); nothing happens to a pinned or absent one."""
@@ -115,7 +155,11 @@ class AdapterStore:
         self._pinned.add(adapter_id)
 
     def unpin(self, adapter_id: str) -> None:
+        """The adapter left the device: evictable again, and a guest is dropped."""
         self._pinned.discard(adapter_id)
+        guest = self._guests.pop(adapter_id, None)
+        if guest is not None and self.on_evict:
+            self.on_evict(adapter_id, guest)
 
 
 ALIGN = 64  # bytes: every tensor in a packed buffer starts on a cache line, so a view of any dtype is aligned
