@@ -150,8 +150,15 @@ def test_a_file_that_turned_corrupt_fails_only_its_requests(adapter_dir, tmp_pat
         m.generate(PROMPT, adapter="r4_attn", steps=STEPS)
         break_while_evicted(m, adapter_dir, victim, ("r4_attn",))
         slots = snapshot_slots(m)
-        gate = threading.Event()
-        blocker = m.submit(PROMPT, "r4_attn", steps=STEPS, callback_on_step_end=lambda *a: (gate.wait(), a[3])[1])
+        gate, running = threading.Event(), threading.Event()
+
+        def hold(pipe, step, timestep, kwargs):
+            running.set()
+            gate.wait()
+            return kwargs
+
+        blocker = m.submit(PROMPT, "r4_attn", steps=STEPS, callback_on_step_end=hold)
+        running.wait()  # the worker is busy: both requests for the victim are queued before its read can fail them
         futures = [m.submit(PROMPT, a, seed=i, steps=STEPS) for i, a in enumerate(["victim", "r4_attn"] * 2)]
         gate.set()
         blocker.result()
