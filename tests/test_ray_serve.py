@@ -149,6 +149,8 @@ METRIC_FAMILIES = {
     "lora_adapter_cache_hits": "counter",
     "lora_adapter_cache_misses": "counter",
     "lora_adapter_cache_evictions": "counter",
+    "lora_adapter_background_reads": "counter",
+    "lora_adapter_worker_reads": "counter",
     "lora_requests_info": "gauge",
 }
 

@@ -35,6 +35,7 @@ def replica_state(manager, replica: str) -> dict[str, Any]:
         "max_lora": stats["slots"],
         **{k: stats[k] for k in ("recompiles", "swaps", "cache_bytes", "cache_hits", "cache_misses")},
         "cache_evictions": stats["cache_evictions"],
+        **{k: stats[k] for k in ("background_loads", "worker_reads")},
     }
 
 
@@ -57,6 +58,12 @@ class ReplicaCollector(Collector):
             "cache_misses": CounterMetricFamily("lora_adapter_cache_misses", "CPU cache misses.", labels=labels),
             "cache_evictions": CounterMetricFamily(
                 "lora_adapter_cache_evictions", "Adapters evicted from the CPU cache.", labels=labels
+            ),
+            "background_loads": CounterMetricFamily(
+                "lora_adapter_background_reads", "Cache misses read off the worker while batches ran.", labels=labels
+            ),
+            "worker_reads": CounterMetricFamily(
+                "lora_adapter_worker_reads", "Cache misses read on the worker while its batch waited.", labels=labels
             ),
         }
         info = GaugeMetricFamily(
