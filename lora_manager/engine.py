@@ -279,11 +279,12 @@ class LoraManager:
         adapters become resident (`Residency.make_resident`), and an adapter refused on its way in fails only the
         requests that named it."""
         with self._lock:
+            upcoming = self.scheduler.upcoming()
             batch = {a for r in requests for a in r.adapter_ids}
-            self.store.protected = frozenset(self.scheduler.upcoming()) | batch  # the queued stay cached
+            self.store.protected = frozenset(upcoming) | batch  # the queued stay cached
             swap = self.residency.make_resident([r.adapters for r in requests])
             runnable = [r for r in requests if swap.runs(r.adapter_ids)]
-            images, generate_ms = self._call(runnable) if runnable else ([], 0.0)
+            images, generate_ms = self._call(runnable, upcoming) if runnable else ([], 0.0)
             recompiles = self.recompiles
         shared = {k: v for k, v in requests[0].params.items() if isinstance(v, (int, float, str, bool, type(None)))}
         run = {"swap_ms": swap.ms, "generate_ms": generate_ms, "batch_size": len(runnable)}
@@ -299,12 +300,13 @@ class LoraManager:
         info["prompt_truncated"] = _truncated(self.pipe, request.prompt)
         return Result(image=image, info={**info, **run, "base_model": self.model_name})
 
-    def _call(self, requests: list[Request]) -> tuple[list, float]:
-        """One pipeline call for `requests` (same params). Counts graphs compiled during the call as recompiles."""
+    def _call(self, requests: list[Request], upcoming: list[str]) -> tuple[list, float]:
+        """One pipeline call for `requests` (same params), the adapters of the requests still queued (`upcoming`)
+        staged meanwhile. Counts graphs compiled during the call as recompiles."""
         prompts = [r.prompt for r in requests]
         generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
         single = len(requests) == 1  # plain diffusers' own call shape, so `info` reproduces it exactly
-        self.residency.stage(self.scheduler.upcoming())
+        self.residency.stage(upcoming)
         t0 = time.perf_counter()
         prompt, generator = (prompts[0], generators[0]) if single else (prompts, generators)
         with self.compilation.counting():

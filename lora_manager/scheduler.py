@@ -153,7 +153,8 @@ class Scheduler:
 
     def _needs(self) -> list[str]:
         """Adapters of queued requests, oldest request first (caller holds the condition)."""
-        return list(dict.fromkeys(i for q in sorted(self._queue, key=lambda q: q.order) for i in q.request.adapter_ids))
+        queue = sorted(self._queue, key=lambda q: q.order)
+        return list(dict.fromkeys(i for q in queue for i, _ in q.request.adapters))
 
     def pending(self) -> int:
         with self._cond:
@@ -173,8 +174,7 @@ class Scheduler:
     def upcoming(self) -> list[str]:
         """Adapters of queued requests, oldest request first (what the next batches will likely need)."""
         with self._cond:
-            queue = sorted(self._queue, key=lambda q: q.order)
-            return list(dict.fromkeys(i for q in queue for i, _ in q.request.adapters))
+            return self._needs()
 
     def close(self) -> None:
         """Stop the worker after the batch it is running; queued requests fail with EngineClosedError."""
