@@ -229,7 +229,7 @@ def prepare_gathered(
     """The engine's mixed-batch preparation on a bare denoiser (`prepare_template` with rows): one zero
     template per device slot, re-based onto stacks, each slot filled with one of `weights`; row i picks slot i % D."""
     rows = BatchRows(requests, 1, S.device_of(unet))
-    slots, _ = prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, len(weights), rows)
+    slots = prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, len(weights), rows)
     for slot, w in zip(slots, weights, strict=True):
         slot.load(w, 1.0)
     rows.write([[(i % len(weights), 1.0)] for i in range(requests)], weights)

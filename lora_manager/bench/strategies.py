@@ -142,7 +142,7 @@ def timed_forward(unet: nn.Module, inputs: Inputs, repeats: int) -> Timing:
 def prepare_engine(unet: nn.Module, modules: set[str], rank: int, slots: int = 1) -> list[LiveSlot]:
     """The engine's preparation (`prepare_template`) on a bare denoiser: enable hotswap, one zero template over
     `modules` per slot, all of them active."""
-    return prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, slots)[0]
+    return prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, slots)
 
 
 def measure_engine_swap(slot: LiveSlot, weights: list[AdapterWeights], repeats: int) -> Timing:

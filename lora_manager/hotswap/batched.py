@@ -267,20 +267,18 @@ class GatheredLora:
         return output + delta.to(output.dtype)
 
 
-def install(components: dict[str, nn.Module], names: list[str], rows: BatchRows) -> dict[Key, GatheredLora]:
+def install(components: dict[str, nn.Module], names: list[str], rows: BatchRows) -> None:
     """Re-base every template layer onto stacks and give it the gathered forward (before compile: the forwards and
-    stacks are then part of the compiled graphs), and size `rows`' plan for them. Returns the layers by (component,
-    module)."""
-    layers = {}
+    stacks are then part of the compiled graphs), and size `rows`' plan for them (in the order the layers are found)."""
+    layers: list[Key] = []
     for comp, model in components.items():
         for module_name, layer in model.named_modules():
             if isinstance(layer, LoraLayer) and names[0] in layer.lora_A:
                 gathered = GatheredLora(layer, names, rows, len(layers))
                 layer.set_adapter([], inference_mode=True)  # PEFT's own branches: none active
                 layer.forward = gathered.forward
-                layers[(comp, module_name)] = gathered
-    rows.bind(list(layers), len(names))
-    return layers
+                layers.append((comp, module_name))
+    rows.bind(layers, len(names))
 
 
 def _as_tensor(layer: LoraLayer, name: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ..adapters.registry import AdapterRegistry
 from ..request_schema import Mix
 from .batched import BatchRows
 from .plan import assign_slots, plan_resident
-from .slot import DevicePrefetch, LiveSlot, sync
+from .slot import DevicePrefetch, sync
 from .template import prepare_template
 
 
@@ -59,9 +59,8 @@ class Residency:
         registry: AdapterRegistry,
     ):
         self.rows = BatchRows(max_batch, mix_slots, pipe.device) if max_batch > 1 else None
-        slots, _ = prepare_template(pipe, components, keys, rank, device_slots, self.rows)
-        self.slots: list[LiveSlot] = slots  # every device slot
-        self.mix_slots = slots[:mix_slots]  # the slots one request's adapters combine in
+        self.slots = prepare_template(pipe, components, keys, rank, device_slots, self.rows)  # every device slot
+        self.mix_slots = self.slots[:mix_slots]  # the slots one request's adapters combine in
         self.holding: list[str | None] = [None] * device_slots  # the adapter id each device slot holds
         self.swap_ms: list[float] = []
         self._device = pipe.device

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..adapters.validate import lora_shapes
 from ..quiet import quiet_loads
-from .batched import BatchRows, GatheredLora, install
+from .batched import BatchRows, install
 from .slot import LiveSlot
 
 # dynamo's names for the denoiser's call arguments, first dimension: marked dynamic at compile, so one graph serves
@@ -49,11 +49,11 @@ def prepare_template(
     rank: int,
     slots: int = 1,
     rows: BatchRows | None = None,
-) -> tuple[list[LiveSlot], dict[tuple[str, str], GatheredLora]]:
+) -> list[LiveSlot]:
     """Steps 1 and 2 of the order on `target`, a pipeline (`load_lora_weights`) or one bare denoiser
     (`load_lora_adapter`, as the benchmarks use it; `components` then holds that denoiser alone): enable hotswap,
     then load one zero template per slot. With `rows`, every row of a batch picks its own slots
-    (`batched.install`, whose layers are returned) instead of all slots adding up."""
+    (`batched.install`) instead of all slots adding up."""
     target.enable_lora_hotswap(target_rank=rank)
     dtype = next(iter(components.values())).dtype
     names = slot_names(slots)
@@ -67,12 +67,13 @@ def prepare_template(
             else:
                 (prefix,) = components
                 target.load_lora_adapter(sd, prefix=prefix, adapter_name=name, low_cpu_mem_usage=False)
-    gathered = install(components, names, rows) if rows is not None else {}
-    if rows is None and slots > 1:
+    if rows is not None:
+        install(components, names, rows)
+    elif slots > 1:
         # diffusers activates only the last adapter loaded. set_adapters writes float scalings, so it runs before
         # LiveSlot turns them into the tensors that swaps write in place (a later set_adapters would recompile).
         target.set_adapters(names)
-    return [LiveSlot(components, rank, name) for name in names], gathered
+    return [LiveSlot(components, rank, name) for name in names]
 
 
 def compile_denoiser(denoiser: nn.Module, **compile_kwargs) -> None:
