@@ -1,6 +1,6 @@
-"""Shared by the tests, the benchmarks and the tutorial: real LoRA files with chosen ranks, alphas, targets and key
-formats; image and slot comparisons; a free port and `python app.py` started on it. The engine never imports this
-module."""
+"""Shared by the tests, the benchmarks, the Space's Compare tab and the tutorial: real LoRA files with chosen ranks,
+alphas, targets and key formats; image and slot comparisons; a free port and `python app.py` started on it. The engine
+never imports this module."""
 
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ SlotSnapshot = dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
 def lora_layers(
-    model: torch.nn.Module, suffixes: Iterable[str], rank: int, seed: int, scale: float
+    model: torch.nn.Module, suffixes: Iterable[str], rank: int, seed: int | torch.Generator, scale: float
 ) -> dict[str, torch.Tensor]:
-    """Random A/B for every Linear/Conv2d whose name ends with one of `suffixes`, in PEFT layout.
+    """Random A/B for every Linear/Conv2d whose name ends with one of `suffixes`, in PEFT layout, drawn from `seed`
+    (or from a generator the caller goes on drawing from).
 
     A ~ N(0, 1/fan_in) and B ~ N(0, scale^2/r), so B(A(x)) is about `scale` times x: a realistic style delta,
     not one that drives the network into a regime where rounding differences blow up.
     """
-    g = torch.Generator().manual_seed(seed)
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     sd = {}
     for name, layer in model.named_modules():
         if name.endswith(tuple(suffixes)) and isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):

@@ -17,6 +17,7 @@ from lora_manager import LoraManager, LoraManagerError
 from lora_manager.adapters.reader import AdapterWeights, ModuleLora
 from lora_manager.adapters.sources import hub_cache_files, remove_files
 from lora_manager.adapters.store import AdapterStore
+from lora_manager.bench import skewed
 from lora_manager.testing import levels
 
 from engine_helpers import (
@@ -34,11 +35,9 @@ STEPS = 2  # every request here: the latency compared is the engine's own, not t
 
 
 def zipf_trace(n_adapters: int, n_requests: int, s: float, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    weights = [1 / (k + 1) ** s for k in range(n_adapters)]
     order = list(range(n_adapters))
-    rng.shuffle(order)  # popularity unrelated to the ids' order
-    return [f"a{order[k]}" for k in rng.choices(range(n_adapters), weights, k=n_requests)]
+    random.Random(seed).shuffle(order)  # popularity unrelated to the ids' order
+    return [f"a{order[k]}" for k in skewed.zipf_trace(n_adapters, n_requests, s, seed)]
 
 
 def tiny_weights(seed: int) -> AdapterWeights:

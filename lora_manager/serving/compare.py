@@ -13,10 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..request_schema import check_request
 from ..specs import Result
+from ..testing import levels
 from .protocol import Engine
 
 
@@ -67,7 +66,7 @@ def compare(
         solo.append(engine.generate(row.prompt, adapter=row.adapter_id, strength=row.strength, seed=seed, steps=steps))
         report(len(rows) + len(solo), total)
     solo_s = time.perf_counter() - t0
-    diff = max(_levels(b.image, s.image) for b, s in zip(batch, solo, strict=True))
+    diff = max(levels(b.image, s.image) for b, s in zip(batch, solo, strict=True))
     return Comparison(batch, batch_s, pipeline_calls(batch), solo_s, diff)
 
 
@@ -88,8 +87,3 @@ def _all_at_once(
 def pipeline_calls(results: list[Result]) -> int:
     """How many pipeline calls ran `results`: the rows of one call share its timings."""
     return len({(r.info["swap_ms"], r.info["generate_ms"]) for r in results})
-
-
-def _levels(a, b) -> int:
-    """The largest per-pixel difference of two images, in levels of 255."""
-    return int(np.abs(np.asarray(a.convert("RGB"), np.int16) - np.asarray(b.convert("RGB"), np.int16)).max())
