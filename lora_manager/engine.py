@@ -30,6 +30,7 @@ from .hotswap import compile_cache
 from .hotswap.aot import AotDenoiser, load_denoiser
 from .hotswap.compiling import Compilation
 from .hotswap.residency import Residency
+from .openmp import release_idle_threads
 from .quiet import quiet_loads
 from .request_schema import Mix, check_request
 from .scheduler import Request, Scheduler
@@ -123,6 +124,7 @@ class LoraManager:
             with _timed(self.startup_s, "aot_load"):
                 self.aot: AotDenoiser | None = load_denoiser(pipe, aot_package)
             self.compiled, self.compilation.source = True, f"AOTInductor package ({Path(aot_package).name})"
+        release_idle_threads()  # batches run on the scheduler's thread: this one's OpenMP pool would slow them
         _OPEN.add(self)
 
     def _build_template(
@@ -200,6 +202,7 @@ class LoraManager:
         """
         spec = local_spec(adapter_id, source, allow_local, weight_name=weight_name, revision=revision, **spec_fields)
         self.registry.register(spec, allow_local, max_bytes, self._lock)
+        release_idle_threads()  # the read ran torch here, in the caller's thread
         return self.info(adapter_id)
 
     def unregister(self, adapter_id: str) -> None:
@@ -265,6 +268,7 @@ class LoraManager:
         **pipe_kwargs,
     ) -> Future:
         """Queue a request and return a Future of its Result; raises QueueFullError when the queue is full."""
+        release_idle_threads()  # a client thread that ran torch work keeps OpenMP threads that slow the batches
         req = check_request(prompt, adapter, strength, seed, steps, self.max_adapters)
         for adapter_id, _ in req.adapters:
             self.registry.require(adapter_id)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..openmp import one_thread
+
 
 @dataclass
 class LoaderStats:
@@ -77,6 +79,7 @@ class AdapterLoader:
                 threading.Thread(target=self._load, args=(state, adapter_id), name="lora-loader", daemon=True).start()
 
     def _load(self, state: _State, adapter_id: str) -> None:
+        one_thread()  # an OpenMP pool of this thread's own would slow the batch running meanwhile
         try:
             result: Any = self.read(adapter_id)
         except Exception as e:  # noqa: BLE001 - the error is the answer of the requests that named this adapter
