@@ -3,9 +3,9 @@ Linux wheels), on the CPU.
 
 libgomp lets idle pool threads spin for the next parallel region only while it manages no more threads than there
 are CPUs. A second pool, such as the one the thread that loaded the pipeline keeps, tips it over: every pool then
-sleeps and is woken between regions, and a pipeline of many small operations ran about 2x slower on the engine's
-worker thread than on the loading thread (`docs/performance.md`). Threads that ran torch work free their pool
-(`release_idle_threads`), and background threads never start one (`one_thread`).
+sleeps and is woken between regions, which a pipeline of many small operations pays for at every one of them
+(`docs/performance.md`). Threads that ran torch work free their pool (`release_idle_threads`), and background
+threads never start one (`one_thread`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.adapters.inspection import BLOCKS, CONV
-from lora_manager.hotswap.batched import GROUP_COST_MACS, row_groups, slot_groups
+from lora_manager.hotswap.batched import GROUP_COST_MACS, row_groups
 from lora_manager.testing import levels, snapshot, write_adapter
 
 from engine_helpers import assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
@@ -193,15 +193,3 @@ def test_rows_are_grouped_by_rank_bucket_and_one_adapter_runs_as_one_branch():
     # own, which the row without weights here joins (7 rank-rows), in slot 2's plain branch
     assert row_groups((5, 12, 16, 7, 0), (2, 0, 1, 2, -1), 8) == (((0, 3, 4), 7, 2), ((1, 2), 16, -1))
     assert row_groups((5, 0, 5, 0), (2, -1, 2, -1), 16) == (((0, 1, 2, 3), 5, 2),)
-
-
-def test_conv_rows_are_grouped_by_adapter_or_run_as_one_convolution():
-    # rows 0 and 3 on slot 2, row 1 on slot 0, row 2 combines adapters, row 4 has no weights here
-    ranks, only = (5, 12, 16, 5, 0), (2, 0, -1, 2, -1)
-    assert slot_groups(ranks, only) == (((2,), 16, -1), ((1,), 12, 0), ((0, 3), 5, 2))
-    # cheap (4 ranked rows x rank 16 <= 64 rank-rows): every row, rank-0 row included, in one convolution
-    assert slot_groups(ranks, only, 64) == (((0, 1, 2, 3, 4), 16, -1),)
-    # one adapter: its plain branch, the rank-0 row joining only when cheap
-    assert slot_groups((8, 0, 8), (1, -1, 1)) == (((0, 2), 8, 1),)
-    assert slot_groups((8, 0, 8), (1, -1, 1), 8) == (((0, 1, 2), 8, 1),)
-    assert slot_groups((0, 0), (-1, -1)) == ()

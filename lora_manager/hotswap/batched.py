@@ -9,8 +9,7 @@ layer's forward becomes the base layer plus, for every row n of the input (PEFT'
 
 in one custom operator (`gathered_lora`). Rows are grouped by rank bucket (powers of two): each group computes only
 the columns its adapters use at this layer (its highest rank), a row whose adapters do not target the layer skips
-it, and a group whose rows all use the same one adapter runs as one plain LoRA branch (no gather); conv layers group
-rows by adapter instead (`slot_groups`). What each row
+it, and a group whose rows all use the same one adapter runs as one plain LoRA branch (no gather). What each row
 needs at each layer is planned once per batch (`BatchRows.write`) into a small CPU tensor the operator reads, so a
 compiled graph never sees a rank: any mix of adapters runs the same graph.
 `index` and `strength` are tensors the engine writes in place before each pipeline call; a request combining up to
@@ -105,6 +104,10 @@ class BatchRows:
 # matmuls run far below peak, so the CPU value is set from timing mixed batches of the tiny preset, where merging won;
 # the CUDA value is an estimate from kernel launch latency, not yet timed (`python -m lora_manager gpu-check`).
 GROUP_COST_MACS = {"cpu": 200_000_000, "cuda": 500_000_000}
+# A conv layer's gathered group runs one convolution over the A of every adapter its rows use (each row keeping its
+# own columns) when they are at most this many, else each row's own A as one grouped convolution: on the CPU a grouped
+# convolution ran 2-4x slower than a plain one of the same multiply-adds, on the tiny preset's mixed batches.
+UNION_CONV_ADAPTERS = 3
 
 
 @lru_cache(maxsize=4096)
@@ -129,28 +132,6 @@ def row_groups(
         slots = {only[r] for r in rows if ranks[r]}
         groups.append((tuple(sorted(rows)), max(ranks[r] for r in rows), slots.pop() if len(slots) == 1 else -1))
     return tuple(groups)
-
-
-@lru_cache(maxsize=4096)
-def slot_groups(
-    ranks: tuple[int, ...], only: tuple[int, ...], group_rows: int = 0
-) -> tuple[tuple[tuple[int, ...], int, int], ...]:
-    """`row_groups` for convolutions, as (rows, rank, slot) too: every row in one group when its rows times its rank
-    are at most `group_rows` (one convolution with the A of every adapter the rows use, `_conv_rows`), else one group
-    per adapter (its plain convolution on its rows) and one for rows combining several. Rows of rank 0 join a single
-    group on the same rule, and are otherwise left out."""
-    ranked = [row for row, rank in enumerate(ranks) if rank]
-    if not ranked:
-        return ()
-    rank = max(ranks)
-    by_slot: dict[int, list[int]] = {}
-    for row in ranked:
-        by_slot.setdefault(only[row], []).append(row)
-    if len(by_slot) > 1 and len(ranked) * rank > group_rows:
-        return tuple((tuple(rows), max(ranks[r] for r in rows), slot) for slot, rows in sorted(by_slot.items()))
-    slot = next(iter(by_slot)) if len(by_slot) == 1 else -1
-    rows = range(len(ranks)) if (len(ranks) - len(ranked)) * rank <= group_rows else ranked
-    return ((tuple(rows), rank, slot),)
 
 
 def _group_rows(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor) -> int:
@@ -180,7 +161,7 @@ def lora_rows(
     by rank (`row_groups`)."""
     n, picks = x.shape[0], strength.shape[1]
     ranks, only = tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist())
-    groups = (slot_groups if A.dim() == 5 else row_groups)(ranks, only, _group_rows(x, A, Bt))
+    groups = row_groups(ranks, only, _group_rows(x, A, Bt))
     index, strength = index[: n * picks].view(n, picks), strength[:n]
     if len(groups) == 1 and len(groups[0][0]) == n:  # every row in one group: no gather, no scatter
         rows, rank, slot = groups[0]
@@ -215,7 +196,8 @@ def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def _group(x, A, Bt, scaling, index, strength, rank: int, only: int, owners, stride, padding) -> torch.Tensor:
     """One group's LoRA output at `rank` columns: one adapter's plain branch for all rows (`only` >= 0), or each
-    row's picks gathered (a gather and two batched matmuls; conv layers: `_conv_rows`)."""
+    row's picks gathered (a gather and two batched matmuls; conv layers: one convolution over a few adapters' A,
+    `_conv_rows`, or every row's own A as one grouped convolution)."""
     n, picks = index.shape
     # strengths and scalings are float32; the product is cast to the stacks' dtype (float16/bfloat16 pipelines), since
     # bmm refuses mixed dtypes and type promotion would otherwise turn the half-precision rows to float32
@@ -228,45 +210,45 @@ def _group(x, A, Bt, scaling, index, strength, rank: int, only: int, owners, str
             return torch.matmul(Bt[only, :rank].T, h.flatten(2)).view(n, -1, *h.shape[-2:])
         h = F.linear(x, A[only, :rank]) * w.view(n, *[1] * (x.dim() - 1))
         return torch.matmul(h, Bt[only, :rank])
-    if A.dim() == 5:
-        return _conv_rows(x, A, Bt, weight, index, rank, owners, stride, padding)
+    blocks = _conv_blocks(owners, x.device) if A.dim() == 5 else None
+    if blocks is not None:
+        return _conv_rows(x, A, Bt, weight, index, rank, *blocks, stride, padding)
     weight = weight.to(A.dtype)
     index = index.flatten()
     Bt = Bt[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, out]
-    A = A[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, in]
+    A = A[:, :rank].index_select(0, index)  # [n*P, R, in(, kh, kw)]
+    if A.dim() == 5:  # a Conv2d layer: every row's own A as one grouped convolution, B (1x1) as a batched matmul
+        h = F.conv2d(x.reshape(1, -1, *x.shape[2:]), A.flatten(0, 1), None, stride, padding, groups=n)
+        size = h.shape[-2:]
+        h = (h.view(n, picks, rank, -1) * weight[:, :, None, None]).view(n, picks * rank, -1)  # [n, P*R, H'W']
+        return torch.bmm(Bt.transpose(1, 2), h).view(n, -1, *size)
+    A = A.view(n, picks * rank, -1)  # [n, P*R, in]
     h = torch.bmm(x.reshape(n, -1, x.shape[-1]), A.transpose(1, 2))  # [n, L, P*R]
     h = (h.view(n, -1, picks, rank) * weight[:, None, :, None]).view(n, -1, picks * rank)
     return torch.bmm(h, Bt).view(*x.shape[:-1], -1)
 
 
-def _conv_rows(x, A, Bt, weight, index, rank: int, owners: tuple[int | None, ...], stride, padding) -> torch.Tensor:
-    """Rows of different adapters at a conv layer: one plain convolution with the A of every adapter they use (each
-    row then keeps its own adapter's columns), and B as a batched matmul. A grouped convolution of each row's own A
-    does fewer multiply-adds, but ran 2-4x slower than this on the CPU at the tiny preset's widths."""
-    n, picks = index.shape
-    slots, block, own = _conv_blocks(owners, A.shape[0], x.device)
-    if own is None:  # some row combines adapters: every slot is convolved and each row keeps its P picks' blocks
-        block = (torch.arange(n, device=x.device)[:, None] * len(slots) + index).flatten()
-        weight, Bt = weight.to(A.dtype), Bt[:, :rank].index_select(0, index.flatten())  # [n*P, R, out]
-    else:  # every row on one adapter (or none): one block per row, its other picks weigh 0 here
-        weight = (weight * (index == own[:, None])).sum(1, keepdim=True).to(A.dtype)
-        Bt = Bt[:, :rank].index_select(0, own.clamp(min=0))  # [n, R, out]
+def _conv_rows(x, A, Bt, weight, index, rank: int, slots: list[int], block, own, stride, padding) -> torch.Tensor:
+    """Rows each on one of a few adapters at a conv layer: one plain convolution with those adapters' A, each row then
+    keeping its own adapter's columns (`block`, its slot `own`, -1 for none), and B as a batched matmul."""
+    n = index.shape[0]
+    weight = (weight * (index == own[:, None])).sum(1).to(A.dtype)  # [n]: the row's one pick here, others weigh 0
     h = F.conv2d(x, A[slots, :rank].flatten(0, 1), None, stride, padding)  # [n, U*R, H', W'], U = len(slots)
     size = h.shape[-2:]
-    h = h.view(-1, rank, size.numel()).index_select(0, block)  # [n*P', R, H'W']
-    h = (h.view(n, -1, rank, size.numel()) * weight[:, :, None, None]).view(n, -1, size.numel())  # [n, P'*R, H'W']
-    return torch.bmm(Bt.view(n, -1, Bt.shape[-1]).transpose(1, 2), h).view(n, -1, *size)
+    h = h.view(-1, rank, size.numel()).index_select(0, block) * weight[:, None, None]  # [n, R, H'W']
+    Bt = Bt[:, :rank].index_select(0, own.clamp(min=0))  # [n, R, out]
+    return torch.bmm(Bt.transpose(1, 2), h).view(n, -1, *size)
 
 
 @lru_cache(maxsize=1024)
 def _conv_blocks(
-    owners: tuple[int | None, ...], slots: int, device: torch.device
-) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-    """For `_conv_rows`: the slots to convolve, each row's block among their [n*U] column blocks and each row's one
-    slot (-1: none); when a row combines several adapters (-1), every slot, and None for the blocks and slots."""
-    if -1 in owners:
-        return list(range(slots)), None, None
+    owners: tuple[int | None, ...], device: torch.device
+) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+    """For `_conv_rows`: the slots the rows use, each row's block among their [n*U] column blocks and each row's slot
+    (-1: none); None when a row combines adapters (-1) or they are more than `UNION_CONV_ADAPTERS`."""
     used = sorted({s for s in owners if s is not None})
+    if -1 in used or len(used) > UNION_CONV_ADAPTERS:
+        return None
     block = [row * len(used) + (used.index(s) if s is not None else 0) for row, s in enumerate(owners)]
     own = [s if s is not None else -1 for s in owners]
     return used, torch.tensor(block, device=device), torch.tensor(own, device=device)
