@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .errors import EngineClosedError, QueueFullError
+from .openmp import release_idle_threads
 from .request_schema import Mix
 
 
@@ -192,6 +193,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
+                    release_idle_threads()  # idle: its OpenMP threads would slow torch work on other threads
                     self._cond.wait()
                     if self.max_batch > 1:
                         self._fill(time.monotonic() + self.batch_window_s)

@@ -11,10 +11,16 @@ import torch
 
 from lora_manager.openmp import _libgomp, one_thread, release_idle_threads
 
-pytestmark = pytest.mark.skipif(
-    _libgomp() is None or torch.get_num_threads() < 2, reason="needs libgomp (Linux) and two torch threads"
-)
+pytestmark = pytest.mark.skipif(_libgomp() is None, reason="needs libgomp, the OpenMP runtime of torch's Linux wheels")
 PARALLEL = 1 << 22  # elements: far above torch's grain size, so an elementwise op runs on the thread's pool
+POOL = 2  # torch threads in the tests' own threads (a pool of one helper), whatever the process was started with
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    count = torch.get_num_threads()
+    yield
+    torch.set_num_threads(count)
 
 
 def threads() -> int:
@@ -31,6 +37,7 @@ def in_thread(body) -> dict:
 
 def test_a_thread_that_ran_parallel_work_frees_its_openmp_threads():
     def body(seen):
+        torch.set_num_threads(POOL)
         seen["before"] = threads()
         torch.ones(PARALLEL).mul_(2)
         seen["pool"] = threads()
@@ -40,18 +47,19 @@ def test_a_thread_that_ran_parallel_work_frees_its_openmp_threads():
         seen["again"] = threads()
 
     seen = in_thread(body)
-    assert seen["pool"] == seen["before"] + torch.get_num_threads() - 1
+    assert seen["pool"] == seen["before"] + POOL - 1
     assert seen["released"] == seen["again"] == seen["before"]
 
 
 def test_a_background_thread_runs_its_torch_work_without_a_pool():
+    torch.set_num_threads(POOL)  # what a new thread would start with
+
     def body(seen):
         one_thread()
         seen["before"], seen["count"] = threads(), torch.get_num_threads()
         torch.ones(PARALLEL).mul_(2)
         seen["after"] = threads()
 
-    count = torch.get_num_threads()
     seen = in_thread(body)
     assert seen["count"] == 1 and seen["after"] == seen["before"]
-    assert torch.get_num_threads() == count  # the other threads keep theirs
+    assert torch.get_num_threads() == POOL  # the other threads keep theirs
