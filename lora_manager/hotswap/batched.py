@@ -21,6 +21,7 @@ their input's row count.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -49,6 +50,8 @@ class BatchRows:
         self.keys: list[Key] = []  # the template layers, in the order of `plan`'s second dimension (`install`)
         self.plan = torch.zeros(2, 0, 2 * max_rows, dtype=torch.long)
         self.active: list[bool] = []  # per layer: does any row of this batch compute there (eager layers skip)
+        self.version = 0  # counts `write`s: eager layers plan their groups once per batch
+        self._plan_lists: tuple[list[list[int]], list[list[int]]] = ([], [])  # `plan` as lists, for eager layers
         self._ranks = torch.zeros(0, 0, dtype=torch.long)  # [layers, D]: each device slot's rank at each layer
         self._held: list[AdapterWeights | None] = []  # what each column of `_ranks` was computed from
 
@@ -75,6 +78,7 @@ class BatchRows:
         index, strength = torch.tensor(flat_index), torch.tensor(flat_strength).view(self.strength.shape)
         self.index.copy_(index, non_blocking=True)
         self.strength.copy_(strength, non_blocking=True)
+        self.version += 1
         if held is not None:
             self._hold(held)
         if self.keys:
@@ -97,6 +101,12 @@ class BatchRows:
         self.plan[0].copy_(ranks.amax(2))
         self.plan[1].copy_(torch.where(used.sum(2) == 1, only, -1))
         self.active = (self.plan[0] > 0).any(1).tolist()
+        self._plan_lists = (self.plan[0].tolist(), self.plan[1].tolist())
+
+    def layer_plan(self, layer: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The first n rows' ranks and only slots at `layer` (`plan`, read once per batch)."""
+        ranks, only = self._plan_lists
+        return tuple(ranks[layer][:n]), tuple(only[layer][:n])
 
 
 # What one more group costs beyond its multiply-adds (its gathers, launches and Python), in multiply-adds: rows of a
@@ -105,8 +115,8 @@ class BatchRows:
 # the CUDA value is an estimate from kernel launch latency, not yet timed (`python -m lora_manager gpu-check`).
 GROUP_COST_MACS = {"cpu": 200_000_000, "cuda": 500_000_000}
 # A conv layer's gathered group runs one convolution over the A of every adapter its rows use (each row keeping its
-# own columns) when they are at most this many, else each row's own A as one grouped convolution: on the CPU a grouped
-# convolution ran 2-4x slower than a plain one of the same multiply-adds, on the tiny preset's mixed batches.
+# own columns) when they are at most this many, else each row's own A as one grouped convolution: a grouped
+# convolution runs far below a plain one's speed on the CPU, while the plain one computes every adapter for every row.
 UNION_CONV_ADAPTERS = 3
 
 
@@ -145,6 +155,62 @@ def _group_rows(x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor) -> int:
     return 1 << (rows.bit_length() - 1) if rows else 0
 
 
+@dataclass(frozen=True)
+class Group:
+    """One group of a layer call's rows, its weights computed (`plan_groups`), ready to run (`run_groups`)."""
+
+    rows: torch.Tensor | None  # the group's row numbers, None when it is every row
+    rank: int
+    slot: int  # the one adapter every row uses (its plain branch), else -1
+    weight: torch.Tensor  # per row, in the stacks' dtype: [n] with `slot` or `union`, else [n, P] (each pick's)
+    index: torch.Tensor | None = None  # gathered rows: their picks' slots, [n*P]
+    union: tuple[list[int], torch.Tensor, torch.Tensor] | None = None  # conv rows on a few adapters (`_conv_blocks`)
+
+
+def plan_groups(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    Bt: torch.Tensor,
+    scaling: torch.Tensor,
+    index: torch.Tensor,
+    strength: torch.Tensor,
+    ranks: tuple[int, ...],
+    only: tuple[int, ...],
+) -> list[Group]:
+    """The rows of one layer call for `x`'s n rows, grouped by rank (`row_groups`), each group's weights computed:
+    strength times scaling of each pick. Depends only on the batch's picks, so an eager layer plans once per batch."""
+    n, picks = x.shape[0], strength.shape[1]
+    index, strength = index[: n * picks].view(n, picks), strength[:n]
+    # strengths and scalings are float32; the product is cast to the stacks' dtype (float16/bfloat16 pipelines), since
+    # bmm refuses mixed dtypes and type promotion would otherwise turn the half-precision rows to float32
+    weight = strength * scaling[index]  # [n, P]
+    groups = []
+    for rows, rank, slot in row_groups(ranks, only, _group_rows(x, A, Bt)):
+        at = _rows_on(rows, x.device) if len(rows) < n else None
+        picked, w = (index, weight) if at is None else (index.index_select(0, at), weight.index_select(0, at))
+        if slot >= 0:  # the same adapter on every row: its strength and scaling per row
+            groups.append(Group(at, rank, slot, (w * (picked == slot)).sum(1).to(A.dtype)))
+            continue
+        union = _conv_blocks(tuple(only[r] if ranks[r] else None for r in rows), x.device) if A.dim() == 5 else None
+        if union is not None:  # each row's one pick here; the others weigh 0
+            groups.append(Group(at, rank, -1, (w * (picked == union[2][:, None])).sum(1).to(A.dtype), union=union))
+        else:
+            groups.append(Group(at, rank, -1, w.to(A.dtype), index=picked.flatten()))
+    return groups
+
+
+def run_groups(
+    x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, groups: list[Group], stride: list[int], padding: list[int]
+) -> torch.Tensor:
+    """The LoRA part of a layer's output for `x`'s rows, group by group (rows no group holds add nothing)."""
+    if len(groups) == 1 and groups[0].rows is None:  # every row in one group: no gather, no scatter
+        return _group(x, A, Bt, groups[0], stride, padding)
+    out = x.new_zeros(_out_shape(x, A, Bt, stride, padding), dtype=A.dtype)
+    for group in groups:
+        out.index_copy_(0, group.rows, _group(x.index_select(0, group.rows), A, Bt, group, stride, padding))
+    return out
+
+
 def lora_rows(
     x: torch.Tensor,
     A: torch.Tensor,
@@ -157,34 +223,16 @@ def lora_rows(
     stride: list[int],
     padding: list[int],
 ) -> torch.Tensor:
-    """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), grouped
-    by rank (`row_groups`)."""
-    n, picks = x.shape[0], strength.shape[1]
+    """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), planned
+    from the CPU plan and run."""
+    n = x.shape[0]
     ranks, only = tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist())
-    groups = row_groups(ranks, only, _group_rows(x, A, Bt))
-    index, strength = index[: n * picks].view(n, picks), strength[:n]
-    if len(groups) == 1 and len(groups[0][0]) == n:  # every row in one group: no gather, no scatter
-        rows, rank, slot = groups[0]
-        owners = _owners(ranks, only, rows) if slot < 0 and A.dim() == 5 else ()
-        return _group(x, A, Bt, scaling, index, strength, rank, slot, owners, stride, padding)
-    out = x.new_zeros(_out_shape(x, A, Bt, stride, padding), dtype=A.dtype)
-    for rows, rank, slot in groups:
-        at = _rows_on(rows, x.device)
-        xs, picks_at, strength_at = x.index_select(0, at), index.index_select(0, at), strength.index_select(0, at)
-        owners = _owners(ranks, only, rows) if slot < 0 and A.dim() == 5 else ()
-        delta = _group(xs, A, Bt, scaling, picks_at, strength_at, rank, slot, owners, stride, padding)
-        out.index_copy_(0, at, delta)
-    return out
-
-
-def _owners(ranks: tuple[int, ...], only: tuple[int, ...], rows: tuple[int, ...]) -> tuple[int | None, ...]:
-    """Per row of a group: the one slot it uses at this layer, -1 if several, None if none."""
-    return tuple(only[r] if ranks[r] else None for r in rows)
+    return run_groups(x, A, Bt, plan_groups(x, A, Bt, scaling, index, strength, ranks, only), stride, padding)
 
 
 # One operator to torch.compile: dynamo traces one node per layer instead of every step of `lora_rows` (which keeps
 # the compile of a denoiser with a hundred LoRA layers short), and the groups, read from the CPU plan when the operator
-# runs, never reach a graph. Eager layers call `lora_rows` itself: the dispatcher's overhead is paid per layer call.
+# runs, never reach a graph. Eager layers plan once per batch and run the groups themselves (`GatheredLora`).
 gathered_lora = torch.library.custom_op("lora_manager::gathered_lora", lora_rows, mutates_args=())
 
 
@@ -194,29 +242,22 @@ def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
-def _group(x, A, Bt, scaling, index, strength, rank: int, only: int, owners, stride, padding) -> torch.Tensor:
-    """One group's LoRA output at `rank` columns: one adapter's plain branch for all rows (`only` >= 0), or each
-    row's picks gathered (a gather and two batched matmuls; conv layers: one convolution over a few adapters' A,
-    `_conv_rows`, or every row's own A as one grouped convolution)."""
-    n, picks = index.shape
-    # strengths and scalings are float32; the product is cast to the stacks' dtype (float16/bfloat16 pipelines), since
-    # bmm refuses mixed dtypes and type promotion would otherwise turn the half-precision rows to float32
-    weight = strength * scaling[index]  # [n, P]
-    if only >= 0:  # the same adapter on every row: its strength and scaling per row, then plain matmuls
-        w = (weight * (index == only)).sum(1).to(A.dtype)
+def _group(x, A, Bt, group: Group, stride, padding) -> torch.Tensor:
+    """One group's LoRA output at its rank: one adapter's plain branch for all rows, a conv layer's rows on a few
+    adapters as one convolution over their A (`_conv_rows`), or each row's picks gathered (a gather and two batched
+    matmuls; conv layers: every row's own A as one grouped convolution)."""
+    n, rank, slot = x.shape[0], group.rank, group.slot
+    if slot >= 0:
         if A.dim() == 5:
-            h = F.conv2d(x, A[only, :rank], None, stride, padding)  # [n, r, H', W']
-            h = h * w[:, None, None, None]
-            return torch.matmul(Bt[only, :rank].T, h.flatten(2)).view(n, -1, *h.shape[-2:])
-        h = F.linear(x, A[only, :rank]) * w.view(n, *[1] * (x.dim() - 1))
-        return torch.matmul(h, Bt[only, :rank])
-    blocks = _conv_blocks(owners, x.device) if A.dim() == 5 else None
-    if blocks is not None:
-        return _conv_rows(x, A, Bt, weight, index, rank, *blocks, stride, padding)
-    weight = weight.to(A.dtype)
-    index = index.flatten()
-    Bt = Bt[:, :rank].index_select(0, index).view(n, picks * rank, -1)  # [n, P*R, out]
-    A = A[:, :rank].index_select(0, index)  # [n*P, R, in(, kh, kw)]
+            h = F.conv2d(x, A[slot, :rank], None, stride, padding) * group.weight[:, None, None, None]  # [n, r, H', W']
+            return torch.matmul(Bt[slot, :rank].T, h.flatten(2)).view(n, -1, *h.shape[-2:])
+        h = F.linear(x, A[slot, :rank]) * group.weight.view(n, *[1] * (x.dim() - 1))
+        return torch.matmul(h, Bt[slot, :rank])
+    if group.union is not None:
+        return _conv_rows(x, A, Bt, group.weight, rank, *group.union, stride, padding)
+    weight, picks = group.weight, group.weight.shape[1]
+    Bt = Bt[:, :rank].index_select(0, group.index).view(n, picks * rank, -1)  # [n, P*R, out]
+    A = A[:, :rank].index_select(0, group.index)  # [n*P, R, in(, kh, kw)]
     if A.dim() == 5:  # a Conv2d layer: every row's own A as one grouped convolution, B (1x1) as a batched matmul
         h = F.conv2d(x.reshape(1, -1, *x.shape[2:]), A.flatten(0, 1), None, stride, padding, groups=n)
         size = h.shape[-2:]
@@ -228,11 +269,10 @@ def _group(x, A, Bt, scaling, index, strength, rank: int, only: int, owners, str
     return torch.bmm(h, Bt).view(*x.shape[:-1], -1)
 
 
-def _conv_rows(x, A, Bt, weight, index, rank: int, slots: list[int], block, own, stride, padding) -> torch.Tensor:
+def _conv_rows(x, A, Bt, weight, rank: int, slots: list[int], block, own, stride, padding) -> torch.Tensor:
     """Rows each on one of a few adapters at a conv layer: one plain convolution with those adapters' A, each row then
     keeping its own adapter's columns (`block`, its slot `own`, -1 for none), and B as a batched matmul."""
-    n = index.shape[0]
-    weight = (weight * (index == own[:, None])).sum(1).to(A.dtype)  # [n]: the row's one pick here, others weigh 0
+    n = x.shape[0]
     h = F.conv2d(x, A[slots, :rank].flatten(0, 1), None, stride, padding)  # [n, U*R, H', W'], U = len(slots)
     size = h.shape[-2:]
     h = h.view(-1, rank, size.numel()).index_select(0, block) * weight[:, None, None]  # [n, R, H'W']
@@ -244,8 +284,9 @@ def _conv_rows(x, A, Bt, weight, index, rank: int, slots: list[int], block, own,
 def _conv_blocks(
     owners: tuple[int | None, ...], device: torch.device
 ) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
-    """For `_conv_rows`: the slots the rows use, each row's block among their [n*U] column blocks and each row's slot
-    (-1: none); None when a row combines adapters (-1) or they are more than `UNION_CONV_ADAPTERS`."""
+    """For `_conv_rows`: per row of a group its one slot at this layer (-1: several, None: none) in, and out the slots
+    the rows use, each row's block among their [n*U] column blocks and each row's slot (-1: none); None when a row
+    combines adapters or they are more than `UNION_CONV_ADAPTERS`."""
     used = sorted({s for s in owners if s is not None})
     if -1 in used or len(used) > UNION_CONV_ADAPTERS:
         return None
@@ -284,6 +325,7 @@ class GatheredLora:
             layer.lora_B[n].weight.data = b.view(*b.shape, *[1] * (layer.lora_B[n].weight.dim() - 2))
             layer.scaling[n] = self.scaling[i]
         self.rows, self.layer = rows, layer_index
+        self._planned: tuple[tuple[int, int] | None, list[Group]] = (None, [])  # (batch version, rows): the groups
         self.base_layer = layer.get_base_layer()
         conv = layer.lora_A[names[0]]
         self.stride, self.padding = (list(conv.stride), list(conv.padding)) if isinstance(conv, nn.Conv2d) else ([], [])
@@ -294,19 +336,23 @@ class GatheredLora:
         compiling = torch.compiler.is_compiling()
         if not compiling and not rows.active[self.layer]:  # eager: no row of this batch computes here
             return output
-        delta = (gathered_lora if compiling else lora_rows)(
-            x.to(self.A.dtype),
-            self.A,
-            self.Bt,
-            self.scaling,
-            rows.index,
-            rows.strength,
-            rows.plan,
-            self.layer,
-            self.stride,
-            self.padding,
-        )
+        x = x.to(self.A.dtype)
+        if compiling:
+            args = (self.scaling, rows.index, rows.strength, rows.plan, self.layer, self.stride, self.padding)
+            delta = gathered_lora(x, self.A, self.Bt, *args)
+        else:
+            delta = run_groups(x, self.A, self.Bt, self._groups(x), self.stride, self.padding)
         return output + delta.to(output.dtype)
+
+    def _groups(self, x: torch.Tensor) -> list[Group]:
+        """This layer's groups for the batch's picks, planned on its first call with `x`'s row count: the picks and
+        slots do not change while a batch runs, and the denoiser calls the layer once per step."""
+        key = (self.rows.version, x.shape[0])
+        if self._planned[0] != key:
+            ranks, only = self.rows.layer_plan(self.layer, x.shape[0])
+            rows = self.rows
+            self._planned = (key, plan_groups(x, self.A, self.Bt, self.scaling, rows.index, rows.strength, ranks, only))
+        return self._planned[1]
 
 
 def install(components: dict[str, nn.Module], names: list[str], rows: BatchRows) -> None:
