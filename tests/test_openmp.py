@@ -17,7 +17,7 @@ POOL = 2  # torch threads in the tests' own threads (a pool of one helper), what
 
 
 @pytest.fixture(autouse=True)
-def two_threads():
+def restore_thread_count():
     count = torch.get_num_threads()
     yield
     torch.set_num_threads(count)

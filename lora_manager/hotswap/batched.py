@@ -347,10 +347,10 @@ class GatheredLora:
     def _groups(self, x: torch.Tensor) -> list[Group]:
         """This layer's groups for the batch's picks, planned on its first call with `x`'s row count: the picks and
         slots do not change while a batch runs, and the denoiser calls the layer once per step."""
-        key = (self.rows.version, x.shape[0])
+        rows = self.rows
+        key = (rows.version, x.shape[0])
         if self._planned[0] != key:
-            ranks, only = self.rows.layer_plan(self.layer, x.shape[0])
-            rows = self.rows
+            ranks, only = rows.layer_plan(self.layer, x.shape[0])
             self._planned = (key, plan_groups(x, self.A, self.Bt, self.scaling, rows.index, rows.strength, ranks, only))
         return self._planned[1]
 

@@ -23,6 +23,19 @@ SWAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
+# the engine's counters and cache bytes a replica reports as they are
+COUNTED = (
+    "recompiles",
+    "swaps",
+    "cache_bytes",
+    "cache_hits",
+    "cache_misses",
+    "cache_evictions",
+    "background_loads",
+    "worker_reads",
+)
+
+
 def replica_state(manager, replica: str) -> dict[str, Any]:
     """A replica's engine state as plain data, sent with each answer (it crosses Ray)."""
     stats = manager.stats()
@@ -33,9 +46,7 @@ def replica_state(manager, replica: str) -> dict[str, Any]:
         "running": [a for a in stats["live"] if a],
         "waiting": manager.scheduler.upcoming(),
         "max_lora": stats["slots"],
-        **{k: stats[k] for k in ("recompiles", "swaps", "cache_bytes", "cache_hits", "cache_misses")},
-        "cache_evictions": stats["cache_evictions"],
-        **{k: stats[k] for k in ("background_loads", "worker_reads")},
+        **{k: stats[k] for k in COUNTED},
     }
 
 
