@@ -545,7 +545,8 @@ def compare(
         done = comparing.compare(engine, rows, seed, steps, lambda n, total: progress((n, total), desc, unit="images"))
     except LoraManagerError as e:
         raise refusal(e) from e
-    return [(r.image, i) for r, i in zip(done.results, ids, strict=True)], compare_markdown(done)
+    steps = steps or int(engine.generation_defaults.get("num_inference_steps", 20))
+    return [(r.image, i) for r, i in zip(done.results, ids, strict=True)], compare_markdown(done, steps)
 
 
 def _compare_ids(space: Space, adapter_ids, session: str) -> list[str]:
@@ -561,10 +562,11 @@ def _compare_ids(space: Space, adapter_ids, session: str) -> list[str]:
     return ids
 
 
-def compare_markdown(done: comparing.Comparison) -> str:
-    """The Compare tab's timing line: the batch's time and pipeline calls beside one by one's, and the speed-up."""
+def compare_markdown(done: comparing.Comparison, steps: int) -> str:
+    """The Compare tab's timing line: the batch's time and pipeline calls (of `steps` steps) beside one by one's, and
+    the speed-up."""
     n, calls = len(done.results), f"{done.batch_calls} pipeline call{'s' * (done.batch_calls != 1)}"
-    batch = f"**one mixed batch:** {done.batch_s:.2f} s ({calls} for {n} image{'s' * (n != 1)})"
+    batch = f"**one mixed batch:** {done.batch_s:.2f} s ({calls} for {n} image{'s' * (n != 1)}, {steps} steps each)"
     if done.solo_s is None:
         return (
             f"{batch}. This engine runs one request per pipeline call (max_batch 1, as on ZeroGPU): one by one would "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from urllib.parse import urlparse
 
 import httpx
@@ -120,11 +121,15 @@ def test_compare_shows_every_adapter_from_one_mixed_batch(page):
     steps = page.locator("#compare-steps input[type=number]")
     steps.fill("2")
     steps.press("Enter")
+    # the number box sets the slider's value, which the click sends: wait until the slider shows it
+    playwright.expect(page.locator("#compare-steps input[type=range]")).to_have_value("2")
     page.locator("#compare-run").click()
     timing = page.locator("#compare-timing")
-    playwright.expect(timing).to_contain_text(f"pipeline calls for {len(adapter_ids())} images", timeout=TIMEOUT_MS)
+    ran = f"pipeline calls for {len(adapter_ids())} images, 2 steps each"
+    playwright.expect(timing).to_contain_text(ran, timeout=TIMEOUT_MS)
     playwright.expect(timing).to_contain_text("one by one:")
     playwright.expect(timing).to_contain_text("as fast")
+    assert int(re.search(r"within (\d+) of 255 levels", timing.inner_text())[1]) <= 1
     items = page.locator("#compare-gallery button.thumbnail-item")
     assert items.locator(".caption-label").all_inner_texts() == adapter_ids()
     for adapter, item in zip(json.loads(CATALOG.read_text())["adapters"], items.all(), strict=True):

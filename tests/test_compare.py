@@ -75,5 +75,5 @@ def test_the_tab_says_when_the_batch_ran_one_request_per_call(manager):
 
     items, markdown = app.compare(app.Space(manager, Additions()), ["r4_attn", "r7_conv"], PROMPT, False, 0, 2)
     assert [caption for _, caption in items] == ["r4_attn", "r7_conv"]
-    assert "(2 pipeline calls for 2 images)" in markdown and "not timed twice" in markdown, markdown
+    assert "(2 pipeline calls for 2 images, 2 steps each)" in markdown and "not timed twice" in markdown, markdown
     assert "one by one:" not in markdown
