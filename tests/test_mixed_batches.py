@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.adapters.inspection import BLOCKS, CONV
-from lora_manager.hotswap.batched import GROUP_COST_MACS, row_groups
+from lora_manager.hotswap.batched import GROUP_COST_MACS, MERGE_MAX_WEIGHTS, Merged, row_groups
 from lora_manager.testing import levels, snapshot, write_adapter
 
 from engine_helpers import assert_same_slots, break_while_evicted, load_tiny, make_catalog, mix_reference
@@ -94,9 +94,13 @@ def test_device_slots_hold_the_batch_and_evict_the_least_recently_used(adapter_d
     m = LoraManager(load_tiny(), make_catalog(adapter_dir), max_batch=2, device_slots=2)
     run_together(m, [([("r4_attn", 1.0)], 0, PROMPT), ([("r7_conv", 1.0)], 0, PROMPT)])
     run_together(m, [([("r7_conv", 1.0)], 0, PROMPT)])  # r7_conv is now the more recently used
-    run_together(m, [([("r16_half", 0.5)], 0, PROMPT)])  # evicts r4_attn, used longest ago
+    (half,) = run_together(m, [([("r16_half", 0.5)], 0, PROMPT)])  # evicts r4_attn, used longest ago
     assert sorted(filter(None, m.stats()["live"])) == ["r16_half", "r7_conv"]
     assert m.stats()["device_slots"] == 2 and m.stats()["slots"] == 1
+    # what a slot computed for the adapter it held before is never reused for the one it holds now
+    assert levels(half.image, ref(adapter_dir, [("r16_half", 0.5)], 0, PROMPT)) <= 1
+    (attn,) = run_together(m, [([("r4_attn", 1.0)], 0, PROMPT)])
+    assert levels(attn.image, ref(adapter_dir, [("r4_attn", 1.0)], 0, PROMPT)) <= 1
 
 
 @pytest.mark.compile
@@ -164,9 +168,15 @@ def ranked_dir(tmp_path_factory):
     ],
     ids=["ranks-2-3-64-none", "kohya-te-pairs-same-adapter", "conv-pair-and-singles"],
 )
-@pytest.mark.parametrize("group_cost", [0, None], ids=["every-bucket-its-own-group", "buckets-merged-where-cheaper"])
+@pytest.mark.parametrize(
+    "group_cost",
+    [0, None, "merged"],
+    ids=["every-bucket-its-own-group", "buckets-merged-where-cheaper", "merged-weights-per-row"],
+)
 def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(ranked_dir, batch, group_cost, monkeypatch):
-    if group_cost is not None:  # every rank bucket a group of its own: rows gathered and scattered back
+    if group_cost != "merged":  # LoRA branches per rank group, not each row's merged weights (the tiny layers' default)
+        monkeypatch.setitem(MERGE_MAX_WEIGHTS, "cpu", 0)
+    if group_cost == 0:  # every rank bucket a group of its own: rows gathered and scattered back
         monkeypatch.setitem(GROUP_COST_MACS, "cpu", group_cost)
     catalog = make_catalog(ranked_dir, tuple(RANKED))
     m = LoraManager(load_tiny(), catalog, max_batch=4, slots=2, device_slots=6)
@@ -182,6 +192,9 @@ def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(rank
     held = {a: m.registry.store.get(a).modules for mix in batch for a, _ in mix}
     expected = [[max((held[a][k].rank for a, _ in mix if k in held[a]), default=0) for k in rows.keys] for mix in batch]
     assert sorted(rows.plan[0, :, :4].T.tolist()) == sorted(expected)
+    layers = [layer for part in (m.pipe.unet, m.pipe.text_encoder) for layer in part.modules()]
+    plans = [type(layer.forward.__self__._planned[1]) for layer in layers if hasattr(layer, "lora_A")]
+    assert (Merged in plans) == (group_cost == "merged")
 
 
 def test_rows_are_grouped_by_rank_bucket_and_one_adapter_runs_as_one_branch():

@@ -11,7 +11,8 @@ in one custom operator (`gathered_lora`). Rows are grouped by rank bucket (power
 the columns its adapters use at this layer (its highest rank), a row whose adapters do not target the layer skips
 it, and a group whose rows all use the same one adapter runs as one plain LoRA branch (no gather). What each row
 needs at each layer is planned once per batch (`BatchRows.write`) into a small CPU tensor the operator reads, so a
-compiled graph never sees a rank: any mix of adapters runs the same graph.
+compiled graph never sees a rank: any mix of adapters runs the same graph. Eager, a small float32 layer instead runs
+each row with its merged weight (the base weight plus its adapters' B @ A, `MERGE_MAX_WEIGHTS`), made once per batch.
 `index` and `strength` are tensors the engine writes in place before each pipeline call; a request combining up to
 P adapters uses P picks, an unused pick has strength 0 and adds exactly 0. A layer that sees N rows (one per request:
 the text encoder, called once on the prompts and once on the negative prompts) and one that sees 2N (the denoiser
@@ -52,8 +53,11 @@ class BatchRows:
         self.active: list[bool] = []  # per layer: does any row of this batch compute there (eager layers skip)
         self.version = 0  # counts `write`s: eager layers plan their groups once per batch
         self._plan_lists: tuple[list[list[int]], list[list[int]]] = ([], [])  # `plan` as lists, for eager layers
+        self._rank_lists: list[list[int]] = []  # `_ranks` as lists, for eager layers
+        self.written: list[list[tuple[int, float]]] = []  # each row's (slot, strength) picks, as written
         self._ranks = torch.zeros(0, 0, dtype=torch.long)  # [layers, D]: each device slot's rank at each layer
         self._held: list[AdapterWeights | None] = []  # what each column of `_ranks` was computed from
+        self.loads: list[int] = []  # per device slot: how many times it changed adapter (keys eager layers' caches)
 
     def bind(self, keys: list[Key], slots: int) -> None:
         """Size the plan for the template's layers (once, before any compile)."""
@@ -61,7 +65,9 @@ class BatchRows:
         self.plan = torch.zeros(2, len(keys), self.strength.shape[0], dtype=torch.long)
         self.active = [False] * len(keys)
         self._ranks = torch.zeros(len(keys), slots, dtype=torch.long)
+        self._rank_lists = self._ranks.tolist()
         self._held = [None] * slots
+        self.loads = [0] * slots
 
     @torch.no_grad()
     def write(self, rows: list[list[tuple[int, float]]], held: list[AdapterWeights | None] | None = None) -> None:
@@ -79,6 +85,7 @@ class BatchRows:
         self.index.copy_(index, non_blocking=True)
         self.strength.copy_(strength, non_blocking=True)
         self.version += 1
+        self.written = rows
         if held is not None:
             self._hold(held)
         if self.keys:
@@ -91,6 +98,8 @@ class BatchRows:
                 modules = weights.modules if weights is not None else {}
                 self._ranks[:, i] = torch.tensor([modules[k].rank if k in modules else 0 for k in self.keys])
                 self._held[i] = weights
+                self.loads[i] += 1
+        self._rank_lists = self._ranks.tolist()
 
     def _plan(self, picks: torch.Tensor, strength: torch.Tensor) -> None:
         """Per layer and row: the highest rank among the row's picks (0: the row skips the layer), and the slot of
@@ -108,6 +117,10 @@ class BatchRows:
         ranks, only = self._plan_lists
         return tuple(ranks[layer][:n]), tuple(only[layer][:n])
 
+    def slot_ranks(self, layer: int) -> list[int]:
+        """The rank at `layer` of the adapter each device slot holds (0: it has no weights there)."""
+        return self._rank_lists[layer]
+
 
 # What one more group costs beyond its multiply-adds (its gathers, launches and Python), in multiply-adds: rows of a
 # low rank join a higher bucket's group when the columns they would compute for nothing cost less than that. Small
@@ -118,6 +131,11 @@ GROUP_COST_MACS = {"cpu": 200_000_000, "cuda": 500_000_000}
 # own columns) when they are at most this many, else each row's own A as one grouped convolution: a grouped
 # convolution runs far below a plain one's speed on the CPU, while the plain one computes every adapter for every row.
 UNION_CONV_ADAPTERS = 3
+# An eager float32 linear or conv layer with at most this many weights runs a batch with merged weights: each row's
+# base weight plus its adapters' B @ A (each adapter's product kept while its slot holds it, the merge made once per
+# batch), rows that share their picks in one call. At small widths a LoRA branch costs its operations' fixed overhead
+# far more than its multiply-adds. Set from timing the tiny preset's mixed batches on the CPU; off on CUDA until timed.
+MERGE_MAX_WEIGHTS = {"cpu": 1 << 17, "cuda": 0}
 
 
 @lru_cache(maxsize=4096)
@@ -165,6 +183,17 @@ class Group:
     weight: torch.Tensor  # per row, in the stacks' dtype: [n] with `slot` or `union`, else [n, P] (each pick's)
     index: torch.Tensor | None = None  # gathered rows: their picks' slots, [n*P]
     union: tuple[list[int], torch.Tensor, torch.Tensor] | None = None  # conv rows on a few adapters (`_conv_blocks`)
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A small layer's batch as merged weights (`MERGE_MAX_WEIGHTS`): one weight per distinct set of picks (the base
+    weight plus those picks' B @ A), each with its rows (`rows` None: one weight for every row); a linear layer with
+    several stacks each row's weight, transposed ([n, in, out]), for one batched matmul."""
+
+    weights: list[torch.Tensor]
+    rows: list[torch.Tensor] | None = None
+    stacked: torch.Tensor | None = None
 
 
 def plan_groups(
@@ -325,34 +354,103 @@ class GatheredLora:
             layer.lora_B[n].weight.data = b.view(*b.shape, *[1] * (layer.lora_B[n].weight.dim() - 2))
             layer.scaling[n] = self.scaling[i]
         self.rows, self.layer = rows, layer_index
-        self._planned: tuple[tuple[int, int] | None, list[Group]] = (None, [])  # (batch version, rows): the groups
+        self._planned: tuple[tuple[int, int] | None, list[Group] | Merged] = (None, [])  # (batch version, rows): plan
+        self._products: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (its `loads` count, B @ A): `Merged`
         self.base_layer = layer.get_base_layer()
         conv = layer.lora_A[names[0]]
         self.stride, self.padding = (list(conv.stride), list(conv.padding)) if isinstance(conv, nn.Conv2d) else ([], [])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        output = self.base_layer(x, *args, **kwargs)
         rows = self.rows
         compiling = torch.compiler.is_compiling()
         if not compiling and not rows.active[self.layer]:  # eager: no row of this batch computes here
-            return output
-        x = x.to(self.A.dtype)
+            return self.base_layer(x, *args, **kwargs)
         if compiling:
+            output = self.base_layer(x, *args, **kwargs)
             args = (self.scaling, rows.index, rows.strength, rows.plan, self.layer, self.stride, self.padding)
-            delta = gathered_lora(x, self.A, self.Bt, *args)
-        else:
-            delta = run_groups(x, self.A, self.Bt, self._groups(x), self.stride, self.padding)
+            return output + gathered_lora(x.to(self.A.dtype), self.A, self.Bt, *args).to(output.dtype)
+        plan = self._plan(x)
+        if isinstance(plan, Merged):
+            return self._merged(x, plan)
+        output = self.base_layer(x, *args, **kwargs)
+        delta = run_groups(x.to(self.A.dtype), self.A, self.Bt, plan, self.stride, self.padding)
         return output + delta.to(output.dtype)
 
-    def _groups(self, x: torch.Tensor) -> list[Group]:
-        """This layer's groups for the batch's picks, planned on its first call with `x`'s row count: the picks and
+    def _plan(self, x: torch.Tensor) -> list[Group] | Merged:
+        """This layer's plan for the batch's picks, made on its first call with `x`'s row count: the picks and
         slots do not change while a batch runs, and the denoiser calls the layer once per step."""
         rows = self.rows
         key = (rows.version, x.shape[0])
         if self._planned[0] != key:
-            ranks, only = rows.layer_plan(self.layer, x.shape[0])
-            self._planned = (key, plan_groups(x, self.A, self.Bt, self.scaling, rows.index, rows.strength, ranks, only))
+            if self._merges(x):
+                plan = self._merge(x.shape[0])
+            else:
+                ranks, only = rows.layer_plan(self.layer, x.shape[0])
+                plan = plan_groups(x, self.A, self.Bt, self.scaling, rows.index, rows.strength, ranks, only)
+            self._planned = (key, plan)
         return self._planned[1]
+
+    def _merges(self, x: torch.Tensor) -> bool:
+        """Whether this layer runs its batches with merged weights (`MERGE_MAX_WEIGHTS`): a plain float32 linear or
+        conv layer whose LoRA A convolves as it does (same stride and padding, no dilation, groups or padding mode)."""
+        base = self.base_layer
+        if type(base) not in (nn.Linear, nn.Conv2d) or not self.A.dtype == base.weight.dtype == torch.float32:
+            return False
+        if isinstance(base, nn.Conv2d):
+            plain = base.groups == 1 and base.padding_mode == "zeros" and all(d == 1 for d in base.dilation)
+            if not plain or self.stride != list(base.stride) or self.padding != list(base.padding):
+                return False
+        return base.weight.numel() <= MERGE_MAX_WEIGHTS.get(x.device.type, 0)
+
+    @torch.no_grad()
+    def _merge(self, n: int) -> Merged:
+        """The batch's weights: the base weight plus strength x B @ A x scaling of each pick, once per distinct set of
+        picks (classifier-free guidance repeats the rows; rows without an adapter here share the base weight)."""
+        written, ranks = self.rows.written, self.rows.slot_ranks(self.layer)
+        keys = [tuple((slot, s) for slot, s in written[r % len(written)] if s != 0 and ranks[slot]) for r in range(n)]
+        distinct = list(dict.fromkeys(keys))
+        weights = []
+        for key in distinct:
+            weight = self.base_layer.weight
+            for slot, s in key:
+                weight = torch.add(weight, self._product(slot), alpha=s)
+            weights.append(weight)
+        if len(distinct) == 1:
+            return Merged(weights)
+        if weights[0].dim() == 2:  # linear: one batched matmul over every row's own weight
+            at = [distinct.index(k) for k in keys]
+            return Merged(weights, stacked=torch.stack([w.T for w in weights])[at].contiguous())
+        device = self.A.device  # conv: one call per weight, on its rows
+        rows = [_rows_on(tuple(r for r, k in enumerate(keys) if k == d), device) for d in distinct]
+        return Merged(weights, rows=rows)
+
+    def _product(self, slot: int) -> torch.Tensor:
+        """B @ A x scaling of the adapter `slot` holds at this layer, shaped as the base weight, kept while the slot
+        holds that adapter (mixed batches load every adapter at strength 1: its scaling changes only with it)."""
+        held = self.rows.loads[slot]
+        cached = self._products.get(slot)
+        if cached is None or cached[0] != held:
+            rank, weight = self.rows.slot_ranks(self.layer)[slot], self.base_layer.weight
+            product = (self.Bt[slot, :rank].T * self.scaling[slot]) @ self.A[slot, :rank].flatten(1)
+            cached = self._products[slot] = (held, product.view(weight.shape))
+        return cached[1]
+
+    def _merged(self, x: torch.Tensor, plan: Merged) -> torch.Tensor:
+        """The layer's output with merged weights: one call for all rows, one batched matmul over each row's own
+        weight (linear), or one call per weight on its rows (conv)."""
+        base = self.base_layer
+        run = base._conv_forward if isinstance(base, nn.Conv2d) else F.linear
+        if len(plan.weights) == 1:
+            return run(x, plan.weights[0], base.bias)
+        if plan.stacked is not None:
+            out = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), plan.stacked)
+            return (out if base.bias is None else out + base.bias).view(*x.shape[:-1], -1)
+        out = None
+        for rows, weight in zip(plan.rows, plan.weights, strict=True):
+            y = run(x.index_select(0, rows), weight, base.bias)
+            out = y.new_empty((x.shape[0], *y.shape[1:])) if out is None else out
+            out.index_copy_(0, rows, y)
+        return out
 
 
 def install(components: dict[str, nn.Module], names: list[str], rows: BatchRows) -> None:
