@@ -188,8 +188,8 @@ class Group:
 @dataclass(frozen=True)
 class Merged:
     """A small layer's batch as merged weights (`MERGE_MAX_WEIGHTS`): one weight per distinct set of picks (the base
-    weight plus those picks' B @ A), each with its rows (`rows` None: one weight for every row); a linear layer with
-    several stacks each row's weight, transposed ([n, in, out]), for one batched matmul."""
+    weight plus those picks' B @ A). With several, a conv layer runs each weight on its `rows`, and a linear layer
+    stacks each row's weight ([n, out, in]) for one batched matmul."""
 
     weights: list[torch.Tensor]
     rows: list[torch.Tensor] | None = None
@@ -418,8 +418,7 @@ class GatheredLora:
         if len(distinct) == 1:
             return Merged(weights)
         if weights[0].dim() == 2:  # linear: one batched matmul over every row's own weight
-            at = [distinct.index(k) for k in keys]
-            return Merged(weights, stacked=torch.stack([w.T for w in weights])[at].contiguous())
+            return Merged(weights, stacked=torch.stack([weights[distinct.index(k)] for k in keys]))
         device = self.A.device  # conv: one call per weight, on its rows
         rows = [_rows_on(tuple(r for r, k in enumerate(keys) if k == d), device) for d in distinct]
         return Merged(weights, rows=rows)
@@ -443,7 +442,7 @@ class GatheredLora:
         if len(plan.weights) == 1:
             return run(x, plan.weights[0], base.bias)
         if plan.stacked is not None:
-            out = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), plan.stacked)
+            out = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), plan.stacked.transpose(1, 2))
             return (out if base.bias is None else out + base.bias).view(*x.shape[:-1], -1)
         out = None
         for rows, weight in zip(plan.rows, plan.weights, strict=True):
