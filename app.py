@@ -545,8 +545,7 @@ def compare(
         done = comparing.compare(engine, rows, seed, steps, lambda n, total: progress((n, total), desc, unit="images"))
     except LoraManagerError as e:
         raise refusal(e) from e
-    steps = steps or int(engine.generation_defaults.get("num_inference_steps", 20))
-    return [(r.image, i) for r, i in zip(done.results, ids, strict=True)], compare_markdown(done, steps)
+    return [(r.image, i) for r, i in zip(done.results, ids, strict=True)], compare_markdown(done)
 
 
 def _compare_ids(space: Space, adapter_ids, session: str) -> list[str]:
@@ -562,10 +561,11 @@ def _compare_ids(space: Space, adapter_ids, session: str) -> list[str]:
     return ids
 
 
-def compare_markdown(done: comparing.Comparison, steps: int) -> str:
-    """The Compare tab's timing line: the batch's time and pipeline calls (of `steps` steps) beside one by one's, and
+def compare_markdown(done: comparing.Comparison) -> str:
+    """The Compare tab's timing line: the batch's time, pipeline calls and the steps they ran beside one by one's, and
     the speed-up."""
     n, calls = len(done.results), f"{done.batch_calls} pipeline call{'s' * (done.batch_calls != 1)}"
+    steps = done.results[0].info.get("num_inference_steps", "?")  # as the engine ran them, its default included
     batch = f"**one mixed batch:** {done.batch_s:.2f} s ({calls} for {n} image{'s' * (n != 1)}, {steps} steps each)"
     if done.solo_s is None:
         return (

@@ -93,13 +93,14 @@ class BatchRows:
 
     def _hold(self, held: list[AdapterWeights | None]) -> None:
         """Each slot's rank at each layer (0 where its adapter has no weights), recomputed for slots that changed."""
-        for i, weights in enumerate(held):
-            if weights is not self._held[i]:
-                modules = weights.modules if weights is not None else {}
-                self._ranks[:, i] = torch.tensor([modules[k].rank if k in modules else 0 for k in self.keys])
-                self._held[i] = weights
-                self.loads[i] += 1
-        self._rank_lists = self._ranks.tolist()
+        changed = [i for i, weights in enumerate(held) if weights is not self._held[i]]
+        for i in changed:
+            modules = held[i].modules if held[i] is not None else {}
+            self._ranks[:, i] = torch.tensor([modules[k].rank if k in modules else 0 for k in self.keys])
+            self._held[i] = held[i]
+            self.loads[i] += 1
+        if changed:
+            self._rank_lists = self._ranks.tolist()
 
     def _plan(self, picks: torch.Tensor, strength: torch.Tensor) -> None:
         """Per layer and row: the highest rank among the row's picks (0: the row skips the layer), and the slot of
