@@ -51,6 +51,24 @@ def test_swaps_match_plain_diffusers_after_any_sequence(manager, references):
         assert_same_image(as_float(manager, adapter, strength), references(adapter, strength))
 
 
+def test_a_swap_leaves_exactly_the_new_adapter_in_the_template(manager):
+    """After any swap each module holds the adapter's own A and B and zeros above its rank, and a module it does not
+    target holds zeros: a swap zeroes only what the previous adapter wrote, so nothing of it may remain."""
+    slot = manager.residency.slots[0]
+    for adapter in ("r16_half", "r4_attn", "r7_conv", "r16_half", "r6_te", "r4_kohya_te", "r8_kohya"):
+        manager.generate(PROMPT, adapter=adapter, steps=1)
+        held = manager.store.get(adapter).modules
+        for key, live in slot.modules.items():
+            m = held.get(key)
+            r = m.rank if m is not None else 0
+            if m is not None:
+                assert torch.equal(live.A[:r], m.A.to(live.A.dtype)) and torch.equal(
+                    live.B[:, :r], m.B.to(live.B.dtype)
+                )
+            assert not live.A[r:].any() and not live.B[:, r:].any(), (adapter, key)
+            assert m is not None or float(live.scaling) == 0.0
+
+
 def test_adapter_info_is_read_from_the_files(manager):
     info = {a.id: a for a in manager.adapters()}
     assert set(info) == set(ADAPTERS)

@@ -160,20 +160,29 @@ def ranked_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "batch",
+    ("batch", "merged_as"),
     [
-        [[("r2_attn", 1.0)], [("r64_blocks", 0.8)], [("r3_conv", 1.3)], []],
-        [[("r33_kohya_te", 1.0)], [("r12_te", 0.7), ("r2_attn", 1.0)], [("r2_attn", 0.5)], [("r2_attn", 1.0)]],
-        [[("r3_conv", 1.0), ("r64_blocks", 0.6)], [("r3_conv", 0.7)], [("r12_te", 1.0)], [("r64_blocks", 1.0)]],
+        ([[("r2_attn", 1.0)], [("r64_blocks", 0.8)], [("r3_conv", 1.3)], []], {"bmm", "grouped"}),
+        (
+            [[("r33_kohya_te", 1.0)], [("r12_te", 0.7), ("r2_attn", 1.0)], [("r2_attn", 0.5)], [("r2_attn", 1.0)]],
+            {"bmm"},
+        ),
+        (
+            [[("r3_conv", 1.0), ("r64_blocks", 0.6)], [("r3_conv", 0.7)], [("r12_te", 1.0)], [("r64_blocks", 1.0)]],
+            {"bmm", "grouped"},
+        ),
+        ([[("r3_conv", 1.0), ("r12_te", 1.0)], [("r3_conv", 0.5)], [("r3_conv", 1.0)], [("r3_conv", 0.5)]], {"rows"}),
     ],
-    ids=["ranks-2-3-64-none", "kohya-te-pairs-same-adapter", "conv-pair-and-singles"],
+    ids=["ranks-2-3-64-none", "kohya-te-pairs-same-adapter", "conv-pair-and-singles", "one-conv-adapter-two-strengths"],
 )
 @pytest.mark.parametrize(
     "group_cost",
     [0, None, "merged"],
     ids=["every-bucket-its-own-group", "buckets-merged-where-cheaper", "merged-weights-per-row"],
 )
-def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(ranked_dir, batch, group_cost, monkeypatch):
+def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(
+    ranked_dir, batch, merged_as, group_cost, monkeypatch
+):
     if group_cost != "merged":  # LoRA branches per rank group, not each row's merged weights (the tiny layers' default)
         monkeypatch.setitem(MERGE_MAX_WEIGHTS, "cpu", 0)
     if group_cost == 0:  # every rank bucket a group of its own: rows gathered and scattered back
@@ -193,8 +202,10 @@ def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(rank
     expected = [[max((held[a][k].rank for a, _ in mix if k in held[a]), default=0) for k in rows.keys] for mix in batch]
     assert sorted(rows.plan[0, :, :4].T.tolist()) == sorted(expected)
     layers = [layer for part in (m.pipe.unet, m.pipe.text_encoder) for layer in part.modules()]
-    plans = [type(layer.forward.__self__._planned[1]) for layer in layers if hasattr(layer, "lora_A")]
-    assert (Merged in plans) == (group_cost == "merged")
+    plans = [layer.forward.__self__._planned[1] for layer in layers if hasattr(layer, "lora_A")]
+    assert any(isinstance(p, Merged) for p in plans) == (group_cost == "merged")
+    if group_cost == "merged":  # several weights: stacked per row (linear, 1x1 conv), grouped, or each on its rows
+        assert merged_as <= {p.how for p in plans if isinstance(p, Merged)}
 
 
 def test_rows_are_grouped_by_rank_bucket_and_one_adapter_runs_as_one_branch():

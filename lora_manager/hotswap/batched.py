@@ -137,6 +137,9 @@ UNION_CONV_ADAPTERS = 3
 # batch), rows that share their picks in one call. At small widths a LoRA branch costs its operations' fixed overhead
 # far more than its multiply-adds. Set from timing the tiny preset's mixed batches on the CPU; off on CUDA until timed.
 MERGE_MAX_WEIGHTS = {"cpu": 1 << 17, "cuda": 0}
+# A merged conv layer (other than 1x1) with at least this many distinct weights in a batch runs them as one grouped
+# convolution, every row with its own weight; with fewer, one convolution per weight on its rows (timed on the CPU).
+GROUPED_CONV_WEIGHTS = 3
 
 
 @lru_cache(maxsize=4096)
@@ -189,12 +192,15 @@ class Group:
 @dataclass(frozen=True)
 class Merged:
     """A small layer's batch as merged weights (`MERGE_MAX_WEIGHTS`): one weight per distinct set of picks (the base
-    weight plus those picks' B @ A). With several, a conv layer runs each weight on its `rows`, and a linear layer
-    stacks each row's weight ([n, out, in]) for one batched matmul."""
+    weight plus those picks' B @ A), run as `how` says: "one" (a single weight: the plain layer), "bmm" (each row's
+    weight, `stacked` [n, out, in], in one batched matmul: linear and 1x1 conv layers), "grouped" (each row's weight,
+    `stacked` [n*out, in, kh, kw], as one grouped convolution) or "rows" (each weight on its `rows`: conv layers)."""
 
+    how: str
     weights: list[torch.Tensor]
-    rows: list[torch.Tensor] | None = None
     stacked: torch.Tensor | None = None
+    rows: list[torch.Tensor] | None = None
+    bias: torch.Tensor | None = None  # "grouped": the base bias once per row
 
 
 def plan_groups(
@@ -417,12 +423,19 @@ class GatheredLora:
                 weight = torch.add(weight, self._product(slot), alpha=s)
             weights.append(weight)
         if len(distinct) == 1:
-            return Merged(weights)
+            return Merged("one", weights)
+        base = self.base_layer
+        stacked = [weights[distinct.index(k)] for k in keys]  # each row's weight
         if weights[0].dim() == 2:  # linear: one batched matmul over every row's own weight
-            return Merged(weights, stacked=torch.stack([weights[distinct.index(k)] for k in keys]))
-        device = self.A.device  # conv: one call per weight, on its rows
+            return Merged("bmm", weights, stacked=torch.stack(stacked))
+        if weights[0].shape[2:] == (1, 1) and self.stride == [1, 1] and self.padding == [0, 0]:  # a matmul per pixel
+            return Merged("bmm", weights, stacked=torch.stack(stacked).flatten(2))
+        if len(distinct) >= GROUPED_CONV_WEIGHTS:
+            bias = None if base.bias is None else base.bias.repeat(n)
+            return Merged("grouped", weights, stacked=torch.cat(stacked), bias=bias)
+        device = self.A.device  # a few weights: one call per weight, on its rows
         rows = [_rows_on(tuple(r for r, k in enumerate(keys) if k == d), device) for d in distinct]
-        return Merged(weights, rows=rows)
+        return Merged("rows", weights, rows=rows)
 
     def _product(self, slot: int) -> torch.Tensor:
         """B @ A x scaling of the adapter `slot` holds at this layer, shaped as the base weight, kept while the slot
@@ -436,19 +449,31 @@ class GatheredLora:
         return cached[1]
 
     def _merged(self, x: torch.Tensor, plan: Merged) -> torch.Tensor:
-        """The layer's output with merged weights: one call for all rows, one batched matmul over each row's own
-        weight (linear), or one call per weight on its rows (conv)."""
+        """The layer's output with merged weights, run as the plan says (`Merged`)."""
         base = self.base_layer
-        run = base._conv_forward if isinstance(base, nn.Conv2d) else F.linear
-        if len(plan.weights) == 1:
+        conv = isinstance(base, nn.Conv2d)
+        run = base._conv_forward if conv else F.linear
+        n = x.shape[0]
+        if plan.how == "one":
             return run(x, plan.weights[0], base.bias)
-        if plan.stacked is not None:
-            out = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), plan.stacked.transpose(1, 2))
+        if plan.how == "bmm" and conv:  # [n, out, in] @ [n, in, H*W]
+            flat = x.flatten(2)
+            out = (
+                torch.bmm(plan.stacked, flat)
+                if base.bias is None
+                else torch.baddbmm(base.bias[:, None], plan.stacked, flat)
+            )
+            return out.view(n, -1, *x.shape[2:])
+        if plan.how == "bmm":  # [n, tokens, in] @ [n, in, out]
+            out = torch.bmm(x.reshape(n, -1, x.shape[-1]), plan.stacked.transpose(1, 2))
             return (out if base.bias is None else out + base.bias).view(*x.shape[:-1], -1)
+        if plan.how == "grouped":  # every row its own group of channels
+            out = F.conv2d(x.reshape(1, -1, *x.shape[2:]), plan.stacked, plan.bias, base.stride, base.padding, groups=n)
+            return out.view(n, -1, *out.shape[2:])
         out = None
         for rows, weight in zip(plan.rows, plan.weights, strict=True):
             y = run(x.index_select(0, rows), weight, base.bias)
-            out = y.new_empty((x.shape[0], *y.shape[1:])) if out is None else out
+            out = y.new_empty((n, *y.shape[1:])) if out is None else out
             out.index_copy_(0, rows, y)
         return out
 

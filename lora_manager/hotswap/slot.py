@@ -26,12 +26,12 @@ class SwapPlan:
     """One adapter's writes into the template, paired once so that a swap is a few `_foreach` calls.
 
     No state_dict builds, string lookups or module walks happen per swap: `dst` are views of the model's own
-    tensors (A[:r], B[:, :r]), `pad` the rows/columns above the adapter's rank, `scalings` the 0-dim tensors.
+    tensors (A[:r], B[:, :r]), `ranks` each module's rank r, `scalings` the 0-dim tensors.
     """
 
     dst: list[torch.Tensor]
     src: list[torch.Tensor]
-    pad: list[torch.Tensor]
+    ranks: list[tuple[tuple[str, str], int]]
     scalings: list[torch.Tensor]
     scales: list[float]  # alpha / r per module, before strength
 
@@ -51,6 +51,9 @@ class LiveSlot:
                     )
         self.weights: AdapterWeights | None = None
         self.strength = 0.0
+        # per module: how many leading rank rows of A (columns of B) may be nonzero; all above are zero (the template
+        # starts zero), so a load zeroes only what the previous adapter wrote above its own rank
+        self._filled = dict.fromkeys(self.modules, 0)
         self._plans: dict[int, tuple[AdapterWeights, SwapPlan]] = {}  # by id(weights); the weights keep the id alive
 
     @property
@@ -63,17 +66,15 @@ class LiveSlot:
         cached = self._plans.get(id(weights))
         if cached is not None and cached[0] is weights:
             return cached[1]
-        dst, src, pad, scalings, scales = [], [], [], [], []
+        dst, src, ranks, scalings, scales = [], [], [], [], []
         for key, m in weights.modules.items():
             live, r = self.modules[key], m.rank
             dst += [live.A[:r], live.B[:, :r]]
             src += [m.A, m.B]
-            if r < self.rank:  # padding must be zero, or stale rows of a larger adapter would leak in
-                # CUDA: zero the whole dense tensors (a few fused kernels) rather than two strided views per module
-                pad += [live.A, live.B] if live.A.is_cuda else [live.A[r:], live.B[:, r:]]
+            ranks.append((key, r))
             scalings.append(live.scaling)
             scales.append(m.scale)
-        plan = SwapPlan(dst, src, pad, scalings, scales)
+        plan = SwapPlan(dst, src, ranks, scalings, scales)
         if keep:
             self._plans[id(weights)] = (weights, plan)
         return plan
@@ -89,16 +90,27 @@ class LiveSlot:
         caller waits once for all the slots it loads (`sync`)."""
         old = self.weights.modules if self.weights else {}
         new = weights.modules if weights else {}
-        stale = [self.modules[k] for k in old.keys() - new.keys()]  # used by the old adapter, not by the new one
-        if stale:
-            torch._foreach_zero_([t for live in stale for t in (live.A, live.B, live.scaling)])
-        if weights is not None:
-            plan = self.plan(staged, keep=False) if staged is not None else self.plan(weights)
-            if plan.pad:  # before the copy: on CUDA it covers the copied rows too
-                torch._foreach_zero_(plan.pad)
+        plan = None if weights is None else self.plan(staged, keep=False) if staged is not None else self.plan(weights)
+        stale = old.keys() - new.keys()  # used by the old adapter, not by the new one: cleared, with its scaling
+        zero = [self.modules[k].scaling for k in stale]
+        for key, rank in [*((k, 0) for k in stale), *(plan.ranks if plan else [])]:
+            zero += self._clear(key, rank)
+        if zero:  # before the copy: on CUDA it may cover the copied rows too
+            torch._foreach_zero_(zero)
+        if plan is not None:
             torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
         self.weights = weights
         self.set_strength(strength)
+
+    def _clear(self, key: tuple[str, str], rank: int) -> list[torch.Tensor]:
+        """What to zero at one module before an adapter of `rank` is written there: what the last one wrote above
+        that rank (stale rows of a larger adapter would leak in). CUDA: the whole dense tensors (one fused kernel
+        each) rather than two strided views."""
+        live, filled = self.modules[key], self._filled[key]
+        self._filled[key] = rank
+        if filled <= rank:
+            return []
+        return [live.A, live.B] if live.A.is_cuda else [live.A[rank:filled], live.B[:, rank:filled]]
 
     @torch.no_grad()
     def set_strength(self, strength: float) -> None:
