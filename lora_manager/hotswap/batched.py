@@ -363,6 +363,8 @@ class GatheredLora:
         self.rows, self.layer = rows, layer_index
         self._planned: tuple[tuple[int, int] | None, list[Group] | Merged] = (None, [])  # (batch version, rows): plan
         self._products: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (its `loads` count, B @ A): `Merged`
+        # per slot: views of its Bt, its A as a matrix and its scaling (swaps write into them in place)
+        self._slot_views = [(self.Bt[i], self.A[i].flatten(1), self.scaling[i]) for i in range(len(names))]
         self.base_layer = layer.get_base_layer()
         conv = layer.lora_A[names[0]]
         self.stride, self.padding = (list(conv.stride), list(conv.padding)) if isinstance(conv, nn.Conv2d) else ([], [])
@@ -443,9 +445,9 @@ class GatheredLora:
         held = self.rows.loads[slot]
         cached = self._products.get(slot)
         if cached is None or cached[0] != held:
-            rank, weight = self.rows.slot_ranks(self.layer)[slot], self.base_layer.weight
-            product = (self.Bt[slot, :rank].T * self.scaling[slot]) @ self.A[slot, :rank].flatten(1)
-            cached = self._products[slot] = (held, product.view(weight.shape))
+            rank, (Bt, A, scaling) = self.rows.slot_ranks(self.layer)[slot], self._slot_views[slot]
+            product = torch.mm(Bt[:rank].T, A[:rank]).mul_(scaling)
+            cached = self._products[slot] = (held, product.view(self.base_layer.weight.shape))
         return cached[1]
 
     def _merged(self, x: torch.Tensor, plan: Merged) -> torch.Tensor:
@@ -465,8 +467,9 @@ class GatheredLora:
             )
             return out.view(n, -1, *x.shape[2:])
         if plan.how == "bmm":  # [n, tokens, in] @ [n, in, out]
-            out = torch.bmm(x.reshape(n, -1, x.shape[-1]), plan.stacked.transpose(1, 2))
-            return (out if base.bias is None else out + base.bias).view(*x.shape[:-1], -1)
+            rows, weight = x.reshape(n, -1, x.shape[-1]), plan.stacked.transpose(1, 2)
+            out = torch.bmm(rows, weight) if base.bias is None else torch.baddbmm(base.bias, rows, weight)
+            return out.view(*x.shape[:-1], -1)
         if plan.how == "grouped":  # every row its own group of channels
             out = F.conv2d(x.reshape(1, -1, *x.shape[2:]), plan.stacked, plan.bias, base.stride, base.padding, groups=n)
             return out.view(n, -1, *out.shape[2:])
