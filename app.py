@@ -610,6 +610,11 @@ def _api_inputs(fn: Callable) -> list[Api]:
 # ---- layout ---------------------------------------------------------------------------------------------------------
 
 
+def _slider_steps(engine: Engine) -> int:
+    """A steps slider's starting value: the preset's default steps, else 20."""
+    return int(engine.generation_defaults.get("num_inference_steps", 20))
+
+
 def _header(engine: Engine) -> str:
     combine = engine.max_adapters > 1
     return (
@@ -685,8 +690,7 @@ def _request_fields(space: Space) -> tuple[gr.Markdown, dict]:
     add_trigger = gr.Checkbox(True, label="add trigger words")
     with gr.Row():
         strength = gr.Slider(0, 2, 1.0, step=0.05, label="Strength")
-        default_steps = int(engine.generation_defaults.get("num_inference_steps", 20))
-        steps = gr.Slider(1, 50, default_steps, step=1, label="Steps")
+        steps = gr.Slider(1, 50, _slider_steps(engine), step=1, label="Steps")
     with gr.Row():
         seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
         randomize = gr.Checkbox(False, label="randomize")
@@ -782,8 +786,7 @@ def _compare_tab(space: Space) -> None:
         with gr.Row():
             add_trigger = gr.Checkbox(True, label="add trigger words")
             seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=SEED_MAX)
-            default_steps = int(engine.generation_defaults.get("num_inference_steps", 20))
-            steps = gr.Slider(1, 50, default_steps, step=1, label="Steps", elem_id="compare-steps")
+            steps = gr.Slider(1, 50, _slider_steps(engine), step=1, label="Steps", elem_id="compare-steps")
         run = gr.Button("Compare", variant="primary", elem_id="compare-run")
         timing = gr.Markdown("*Run to see the batch's time beside one by one's.*", elem_id="compare-timing")
         gallery = gr.Gallery(label="one mixed batch", columns=4, height="auto", format="png", elem_id="compare-gallery")

@@ -69,6 +69,29 @@ def test_a_swap_leaves_exactly_the_new_adapter_in_the_template(manager):
             assert m is not None or float(live.scaling) == 0.0
 
 
+def test_an_engine_whose_adapters_skip_the_text_encoder_starts_without_notices(adapter_dir):
+    """The zero template then has no text-encoder keys, which diffusers would report for every slot it loads."""
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records, logger = Records(), logging.getLogger("diffusers")  # diffusers' loggers do not propagate to the root
+    logger.addHandler(records)
+    try:
+        with LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn", "r7_conv")), max_batch=2) as m:
+            assert {comp for comp, _ in m.residency.template_keys} == {"unet"}
+            m.generate(PROMPT, adapter="r4_attn", steps=1)
+    finally:
+        logger.removeHandler(records)
+    assert records.messages == []
+
+
 def test_adapter_info_is_read_from_the_files(manager):
     info = {a.id: a for a in manager.adapters()}
     assert set(info) == set(ADAPTERS)
