@@ -39,8 +39,7 @@ class SwapPlan:
 class LiveSlot:
     """One slot's template tensors in the model and which adapter they hold. Only the engine's lock holder calls it."""
 
-    def __init__(self, components: dict[str, nn.Module], rank: int, name: str):
-        self.rank = rank
+    def __init__(self, components: dict[str, nn.Module], name: str):
         self.name = name
         self.modules: dict[tuple[str, str], LiveModule] = {}
         for comp, model in components.items():

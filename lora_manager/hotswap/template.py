@@ -73,7 +73,7 @@ def prepare_template(
         # diffusers activates only the last adapter loaded. set_adapters writes float scalings, so it runs before
         # LiveSlot turns them into the tensors that swaps write in place (a later set_adapters would recompile).
         target.set_adapters(names)
-    return [LiveSlot(components, rank, name) for name in names]
+    return [LiveSlot(components, name) for name in names]
 
 
 def compile_denoiser(denoiser: nn.Module, **compile_kwargs) -> None:
