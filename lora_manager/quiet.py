@@ -26,28 +26,34 @@ def silence_import_notices() -> None:
 
 @contextlib.contextmanager
 def quiet_loads() -> Iterator[None]:
-    """Around loads the engine makes itself (the pipeline, the hotswap template): no progress bars, and not the
-    template's notices. The template loads K zero adapters into one model on purpose, which PEFT warns about
-    ("Already found a `peft_config` attribute"), transformers reports the other slots' adapter keys as missing
-    from each text-encoder load (a zero template has nothing to miss), and diffusers reports a template without
-    text-encoder modules (when no adapter targets it) as having no keys for it."""
+    """Around loads the engine and its benchmarks make themselves (the pipeline, the hotswap template, the baselines'
+    LoRAs): no progress bars, and not their notices. The template loads K zero adapters into one model on purpose,
+    which PEFT warns about ("Already found a `peft_config` attribute"), transformers reports the other slots' adapter
+    keys as missing from each text-encoder load (a zero template has nothing to miss), and diffusers reports a
+    template or LoRA without text-encoder modules (when no adapter targets it) as having no keys for it, and a cast
+    of a model none of whose modules must stay in float32 as one that has such modules (an empty list)."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
     bars = [(lib, lib.is_progress_bar_enabled()) for lib in (diffusers_logging, transformers_logging)]
     report = logging.getLogger("transformers.integrations.peft")
     level = report.level
-    no_keys, loader = _DropMessages("No LoRA keys associated to"), logging.getLogger("diffusers.loaders.lora_base")
+    dropped = [
+        (logging.getLogger("diffusers.loaders.lora_base"), _DropMessages("No LoRA keys associated to")),
+        (logging.getLogger("diffusers.models.modeling_utils"), _DropMessages("should be kept in float32: []")),
+    ]
     for lib, _ in bars:
         lib.disable_progress_bar()
     report.setLevel(logging.ERROR)
-    loader.addFilter(no_keys)
+    for logger, drop in dropped:
+        logger.addFilter(drop)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute", category=UserWarning)
             yield
     finally:
-        loader.removeFilter(no_keys)
+        for logger, drop in dropped:
+            logger.removeFilter(drop)
         report.setLevel(level)
         for lib, enabled in bars:
             if enabled:

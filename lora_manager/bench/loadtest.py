@@ -27,6 +27,7 @@ from pathlib import Path
 from ..adapters.sources import resolve
 from ..engine import LoraManager
 from ..openmp import release_idle_threads
+from ..quiet import quiet_loads
 from ..testing import levels
 
 PROMPTS = (
@@ -134,15 +135,19 @@ def run_engine(manager: LoraManager, jobs: list[Job], clients: int, refs: dict, 
 
 
 def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, refs: dict, params: dict) -> LoadReport:
-    """Every adapter resident in `pipe`; each request switches the global adapter set on arrival, no lock."""
+    """Every adapter resident in `pipe`; each request switches the global adapter set on arrival, with no lock."""
     import torch
 
-    for name, path in adapters.items():
-        pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+    with quiet_loads():
+        for name, path in adapters.items():
+            pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+
+    quiet = threading.Lock()  # quiet_loads changes process-wide logging state: one thread at a time
 
     def serve(job: Job):
         # Its own scheduler (shared modules): what is left to collide is only the global adapter switch.
-        request_pipe = type(pipe).from_pipe(pipe, scheduler=copy.deepcopy(pipe.scheduler))
+        with quiet, quiet_loads():
+            request_pipe = type(pipe).from_pipe(pipe, scheduler=copy.deepcopy(pipe.scheduler))
         request_pipe.set_progress_bar_config(disable=True)
         if job.adapter is None:
             pipe.disable_lora()
@@ -161,7 +166,8 @@ def run_naive(pipe, adapters: dict[str, Path], jobs: list[Job], clients: int, re
 
 def with_lora(pipe, adapter: Path):
     """A plain diffusers pipeline with one adapter loaded normally (eval: PEFT's dropout off, as the engine's)."""
-    pipe.load_lora_weights(str(adapter.parent), weight_name=adapter.name, adapter_name="one")
+    with quiet_loads():
+        pipe.load_lora_weights(str(adapter.parent), weight_name=adapter.name, adapter_name="one")
     pipe.unet.eval()
     pipe.text_encoder.eval()
     return pipe
@@ -199,7 +205,8 @@ def run_reload(pipe, adapters: dict[str, Path], jobs: list[Job], refs: dict, par
         with lock:
             if job.adapter is not None:
                 path = adapters[job.adapter]
-                pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name="req")
+                with quiet_loads():
+                    pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name="req")
                 pipe.set_adapters(["req"], [job.strength])
             gen = torch.Generator("cpu").manual_seed(job.seed)
             image = pipe(job.prompt, generator=gen, **params).images[0]
@@ -222,7 +229,6 @@ def main(
     """Run all servers on the same jobs and print one JSON report. Batches fill only when at least `max_batch`
     clients send at once (`--clients 16`). The three batching servers run in turn, `rounds` times, and are compared
     on their summed times: on a shared CPU the load drifts within minutes, and this spreads it over all three."""
-    from diffusers import DiffusionPipeline
 
     manager = LoraManager.from_preset(preset, compile=False, max_batch=max_batch)
     ids = [a.id for a in manager.adapters()]
@@ -235,9 +241,9 @@ def main(
     mixed = cycle_jobs([None, *ids], total, seed)
     single = make_jobs([ids[0]], total, seed + 1, strengths=(1.0,))  # plain diffusers serves it at strength 1
     refs = solo_references(manager, mixed + single)
-    fresh = lambda: DiffusionPipeline.from_pretrained(manager.base_model, dtype=manager.dtype)  # noqa: E731
+    fresh = lambda: _fresh(manager.base_model, manager.dtype)  # noqa: E731
     params = manager.generation_defaults
-    plain = with_lora(_quiet(fresh()), paths[ids[0]])
+    plain = with_lora(fresh(), paths[ids[0]])
     turns = [
         [
             run_engine(manager, single, clients, refs, "engine, one adapter"),
@@ -247,8 +253,8 @@ def main(
         for _ in range(rounds)
     ]
     reports = [_combine(list(same)) for same in zip(*turns, strict=True)]
-    reports.append(run_naive(_quiet(fresh()), paths, mixed, clients, refs, params))
-    reports.append(run_reload(_quiet(fresh()), paths, mixed, refs, params))
+    reports.append(run_naive(fresh(), paths, mixed, clients, refs, params))
+    reports.append(run_reload(fresh(), paths, mixed, refs, params))
     out = {
         "clients": clients,
         "requests": total,
@@ -290,6 +296,11 @@ def _combine(reports: list[LoadReport]) -> LoadReport:
     )
 
 
-def _quiet(pipe):
+def _fresh(base_model: str, dtype):
+    """A plain diffusers pipeline of the engine's model, loaded and run without progress bars."""
+    from diffusers import DiffusionPipeline
+
+    with quiet_loads():
+        pipe = DiffusionPipeline.from_pretrained(base_model, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
