@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.adapters.inspection import BLOCKS, CONV
+from lora_manager.hotswap import batched as batched_module
 from lora_manager.hotswap.batched import GROUP_COST_MACS, MERGE_MAX_WEIGHTS, Merged, row_groups
 from lora_manager.testing import levels, snapshot, write_adapter
 
@@ -104,7 +105,7 @@ def test_device_slots_hold_the_batch_and_evict_the_least_recently_used(adapter_d
 
 
 @pytest.mark.compile
-def test_compiled_mixed_batches_never_recompile(adapter_dir):
+def test_compiled_mixed_batches_never_recompile(adapter_dir, monkeypatch):
     """Warm-up compiles one graph, dynamic in the batch dimension, for every batch size 1..4; after that no batch
     composition or size recompiles."""
     graphs = counters["stats"]["unique_graphs"]
@@ -131,12 +132,28 @@ def test_compiled_mixed_batches_never_recompile(adapter_dir):
             requests = [(rng.choice(mixes), rng.randrange(100), rng.choice(PROMPTS)) for _ in range(size)]
             results = run_together(m, requests)
             assert [r.info["batch_size"] for r in results] == [size] * size
-            if i in (0, 5):
+            if i in (0, 5, 10, 15):
                 checked += list(zip(requests, results, strict=True))
+        # the compiled operator plans each layer once per batch and input shape, then reuses the plan every step
+        calls = {"plan_groups": 0, "run_groups": 0}
+        for name in calls:
+            monkeypatch.setattr(batched_module, name, _counting(getattr(batched_module, name), calls, name))
+        m.generate(PROMPTS[0], adapter=mixes[7], seed=1)  # one batch
+    rows = m.residency.rows
+    planned = [key for key, (version, _) in rows.groups.items() if version == rows.version]
+    assert calls["plan_groups"] == len(planned) > 0 and calls["run_groups"] > 2 * calls["plan_groups"]
     stats = m.stats()
     assert stats["batches"] - before >= 30 and stats["recompiles"] == 0
     for (mix, seed, prompt), result in checked:
         assert levels(result.image, ref(adapter_dir, mix, seed, prompt)) <= 1, mix
+
+
+def _counting(fn, calls: dict, name: str):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 # Ranks 2..64 in one template (rank 64): each row must compute at its own rank, on its own targets, and still give
