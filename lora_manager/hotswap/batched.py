@@ -59,7 +59,7 @@ class BatchRows:
         self._ranks = torch.zeros(0, 0, dtype=torch.long)  # [layers, D]: each device slot's rank at each layer
         self._held: list[AdapterWeights | None] = []  # what each column of `_ranks` was computed from
         self.loads: list[int] = []  # per device slot: how many times it changed adapter (keys eager layers' caches)
-        self.groups: dict[tuple, tuple[int, list[Group]]] = {}  # (layer, input shape) -> (version, its groups)
+        self.groups: dict[tuple, list[Group]] = {}  # (layer, input shape) -> its groups, for this batch's picks
 
     def bind(self, keys: list[Key], slots: int) -> None:
         """Size the plan for the template's layers (once, before any compile)."""
@@ -89,6 +89,7 @@ class BatchRows:
         self.strength.copy_(strength, non_blocking=True)
         self.version += 1
         self.written = rows
+        self.groups.clear()
         if held is not None:
             self._hold(held)
         if self.keys:
@@ -265,19 +266,18 @@ def lora_rows(
     """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), planned
     from the CPU plan (once per batch and input shape, kept in the `BatchRows` that owns `plan`) and run."""
     rows, key = _BOUND.get(plan.data_ptr()), (layer, tuple(x.shape))
-    kept = rows.groups.get(key) if rows is not None else None
-    if kept is not None and kept[0] == rows.version:
-        return run_groups(x, A, Bt, kept[1], stride, padding)
-    n = x.shape[0]
-    ranks, only = tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist())
-    groups = plan_groups(x, A, Bt, scaling, index, strength, ranks, only)
-    if rows is not None:
-        rows.groups[key] = (rows.version, groups)
+    groups = rows.groups.get(key) if rows is not None else None
+    if groups is None:
+        n = x.shape[0]
+        ranks, only = tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist())
+        groups = plan_groups(x, A, Bt, scaling, index, strength, ranks, only)
+        if rows is not None:
+            rows.groups[key] = groups
     return run_groups(x, A, Bt, groups, stride, padding)
 
 
 # Every bound `BatchRows` by the address of its `plan`, the tensor a compiled graph passes to `gathered_lora`: the
-# operator finds there the groups it planned for this batch (the picks change only with `write`, which counts).
+# operator finds there the groups it planned for this batch (the picks change only with `write`, which drops them).
 _BOUND: weakref.WeakValueDictionary[int, BatchRows] = weakref.WeakValueDictionary()
 
 # One operator to torch.compile: dynamo traces one node per layer instead of every step of `lora_rows` (which keeps
