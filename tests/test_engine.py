@@ -89,7 +89,7 @@ def test_an_engine_whose_adapters_skip_the_text_encoder_starts_without_notices(a
             m.generate(PROMPT, adapter="r4_attn", steps=1)
     finally:
         logger.removeHandler(records)
-    assert records.messages == []
+    assert not [m for m in records.messages if "No LoRA keys" in m], records.messages
 
 
 def test_adapter_info_is_read_from_the_files(manager):
