@@ -56,6 +56,9 @@ class BatchRows:
         self._plan_lists: tuple[list[list[int]], list[list[int]]] = ([], [])  # `plan` as lists, for eager layers
         self._rank_lists: list[list[int]] = []  # `_ranks` as lists, for eager layers
         self.written: list[list[tuple[int, float]]] = []  # each row's (slot, strength) picks, as written
+        self.single = False  # whether every row of this batch has at most one pick, at strength 1 (merged layers)
+        # per layer and row, for `single` batches: the device slot whose merged weight the row runs, or D (the base)
+        self.weight_index = torch.zeros(0, 0, dtype=torch.long)
         self._ranks = torch.zeros(0, 0, dtype=torch.long)  # [layers, D]: each device slot's rank at each layer
         self._held: list[AdapterWeights | None] = []  # what each column of `_ranks` was computed from
         self.loads: list[int] = []  # per device slot: how many times it changed adapter (keys eager layers' caches)
@@ -89,6 +92,7 @@ class BatchRows:
         self.strength.copy_(strength, non_blocking=True)
         self.version += 1
         self.written = rows
+        self.single = all(len(row) <= 1 and all(s == 1.0 for _, s in row) for row in rows)
         self.groups.clear()
         if held is not None:
             self._hold(held)
@@ -114,6 +118,7 @@ class BatchRows:
         only = picks.expand_as(ranks).gather(2, used.to(torch.uint8).argmax(2, keepdim=True)).squeeze(2)
         self.plan[0].copy_(ranks.amax(2))
         self.plan[1].copy_(torch.where(used.sum(2) == 1, only, -1))
+        self.weight_index = torch.where(self.plan[1] >= 0, self.plan[1], self._ranks.shape[1])
         self.active = (self.plan[0] > 0).any(1).tolist()
         self._plan_lists = (self.plan[0].tolist(), self.plan[1].tolist())
 
@@ -376,7 +381,12 @@ class GatheredLora:
             layer.scaling[n] = self.scaling[i]
         self.rows, self.layer = rows, layer_index
         self._planned: tuple[tuple[int, int] | None, list[Group] | Merged] = (None, [])  # (batch version, rows): plan
-        self._products: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (its `loads` count, B @ A): `Merged`
+        # `Merged`: per device slot its adapter's merged weight (the base weight plus B @ A x scaling), then the base
+        # weight itself, [D + 1, *weight]; made on a merged layer's first batch, a slot's entry remade after its swap
+        self._weights: torch.Tensor | None = None
+        self._made = [-1] * len(names)  # per slot: the `loads` count its entry of `_weights` was made at
+        self._merging: bool | None = None  # `_merges`, asked once
+        self._bias_rows: dict[int, torch.Tensor] = {}  # "grouped": the base bias repeated for n rows, by n
         # per slot: views of its Bt, its A as a matrix and its scaling (swaps write into them in place)
         self._slot_views = [(self.Bt[i], self.A[i].flatten(1), self.scaling[i]) for i in range(len(names))]
         self.base_layer = layer.get_base_layer()
@@ -405,7 +415,9 @@ class GatheredLora:
         rows = self.rows
         key = (rows.version, x.shape[0])
         if self._planned[0] != key:
-            if self._merges(x):
+            if self._merging is None:
+                self._merging = self._merges(x)
+            if self._merging:
                 plan = self._merge(x.shape[0])
             else:
                 ranks, only = rows.layer_plan(self.layer, x.shape[0])
@@ -427,42 +439,79 @@ class GatheredLora:
 
     @torch.no_grad()
     def _merge(self, n: int) -> Merged:
-        """The batch's weights: the base weight plus strength x B @ A x scaling of each pick, once per distinct set of
-        picks (classifier-free guidance repeats the rows; rows without an adapter here share the base weight)."""
-        written, ranks = self.rows.written, self.rows.slot_ranks(self.layer)
+        """The batch's weights, one per distinct set of picks (classifier-free guidance repeats the rows; rows without
+        an adapter here share the base weight). A batch of single picks at strength 1, as the mixed batches of
+        requests for one adapter each are, indexes the kept merged weights (`_weights`); any other batch adds
+        strength x B @ A x scaling of each pick to the base weight."""
+        rows = self.rows
+        if self._weights is None:
+            weight = self.base_layer.weight
+            self._weights = weight.detach().unsqueeze(0).repeat(len(self._made) + 1, *[1] * weight.dim())
+        if rows.single:
+            return self._merge_single(n)
+        written, ranks = rows.written, rows.slot_ranks(self.layer)
         keys = [tuple((slot, s) for slot, s in written[r % len(written)] if s != 0 and ranks[slot]) for r in range(n)]
         distinct = list(dict.fromkeys(keys))
+        base = self.base_layer.weight
         weights = []
         for key in distinct:
-            weight = self.base_layer.weight
+            weight = base
             for slot, s in key:
-                weight = torch.add(weight, self._product(slot), alpha=s)
+                weight = torch.add(weight, self._slot_weight(slot) - base, alpha=s)
             weights.append(weight)
         if len(distinct) == 1:
             return Merged("one", weights)
-        base = self.base_layer
-        stacked = [weights[distinct.index(k)] for k in keys]  # each row's weight
-        if weights[0].dim() == 2:  # linear: one batched matmul over every row's own weight
-            return Merged("bmm", weights, stacked=torch.stack(stacked))
-        if weights[0].shape[2:] == (1, 1) and self.stride == [1, 1] and self.padding == [0, 0]:  # a matmul per pixel
-            return Merged("bmm", weights, stacked=torch.stack(stacked).flatten(2))
-        if len(distinct) >= GROUPED_CONV_WEIGHTS:
-            bias = None if base.bias is None else base.bias.repeat(n)
-            return Merged("grouped", weights, stacked=torch.cat(stacked), bias=bias)
-        device = self.A.device  # a few weights: one call per weight, on its rows
-        rows = [_rows_on(tuple(r for r, k in enumerate(keys) if k == d), device) for d in distinct]
-        return Merged("rows", weights, rows=rows)
+        stacked = torch.stack([weights[distinct.index(k)] for k in keys]) if self._stacks(len(distinct)) else None
+        return self._merged_plan(n, weights, stacked, [[r for r, k in enumerate(keys) if k == d] for d in distinct])
 
-    def _product(self, slot: int) -> torch.Tensor:
-        """B @ A x scaling of the adapter `slot` holds at this layer, shaped as the base weight, kept while the slot
-        holds that adapter (mixed batches load every adapter at strength 1: its scaling changes only with it)."""
+    def _merge_single(self, n: int) -> Merged:
+        """`_merge` for a batch of single picks at strength 1: each row's weight is its slot's kept one, or the base."""
+        only = self.rows.weight_index[self.layer, :n]
+        slots = self.rows.layer_plan(self.layer, n)[1]
+        distinct = list(dict.fromkeys(slots))
+        weights = [self._slot_weight(slot) if slot >= 0 else self.base_layer.weight for slot in distinct]
+        if len(distinct) == 1:
+            return Merged("one", weights)
+        stacked = self._weights.index_select(0, only) if self._stacks(len(distinct)) else None
+        return self._merged_plan(n, weights, stacked, [[r for r, s in enumerate(slots) if s == d] for d in distinct])
+
+    def _merged_plan(
+        self, n: int, weights: list[torch.Tensor], stacked: torch.Tensor | None, rows: list[list[int]]
+    ) -> Merged:
+        """How a batch of several merged weights runs (`Merged`), given each distinct weight, every row's weight
+        stacked [n, *weight] (where `_stacks`) and the rows of each distinct weight."""
+        if weights[0].dim() == 2:  # linear: one batched matmul over every row's own weight
+            return Merged("bmm", weights, stacked=stacked)
+        if self._pointwise():  # a matmul per pixel
+            return Merged("bmm", weights, stacked=stacked.flatten(2))
+        if len(weights) >= GROUPED_CONV_WEIGHTS:
+            bias = self.base_layer.bias
+            if bias is not None and n not in self._bias_rows:
+                self._bias_rows[n] = bias.detach().repeat(n)
+            return Merged("grouped", weights, stacked=stacked.flatten(0, 1), bias=self._bias_rows.get(n))
+        device = self.A.device  # a few weights: one call per weight, on its rows
+        return Merged("rows", weights, rows=[_rows_on(tuple(r), device) for r in rows])
+
+    def _stacks(self, weights: int) -> bool:
+        """Whether a batch of this many distinct weights runs on every row's weight stacked (`_merged_plan`)."""
+        return self.base_layer.weight.dim() == 2 or self._pointwise() or weights >= GROUPED_CONV_WEIGHTS
+
+    def _pointwise(self) -> bool:
+        """A 1x1 convolution with stride 1 and no padding: a matmul per pixel."""
+        return self.base_layer.weight.shape[2:] == (1, 1) and self.stride == [1, 1] and self.padding == [0, 0]
+
+    def _slot_weight(self, slot: int) -> torch.Tensor:
+        """The base weight plus B @ A x scaling of the adapter `slot` holds at this layer (`_weights`), remade once
+        after each swap into the slot (mixed batches load every adapter at strength 1: its scaling changes only with
+        it)."""
         held = self.rows.loads[slot]
-        cached = self._products.get(slot)
-        if cached is None or cached[0] != held:
+        entry = self._weights[slot]
+        if self._made[slot] != held:
             rank, (Bt, A, scaling) = self.rows.slot_ranks(self.layer)[slot], self._slot_views[slot]
-            product = torch.mm(Bt[:rank].T, A[:rank]).mul_(scaling)
-            cached = self._products[slot] = (held, product.view(self.base_layer.weight.shape))
-        return cached[1]
+            entry.copy_(self.base_layer.weight)
+            entry.view(entry.shape[0], -1).addmm_(Bt[:rank].T, A[:rank], alpha=scaling.item())
+            self._made[slot] = held
+        return entry
 
     def _merged(self, x: torch.Tensor, plan: Merged) -> torch.Tensor:
         """The layer's output with merged weights, run as the plan says (`Merged`)."""
