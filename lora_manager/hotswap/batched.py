@@ -12,7 +12,8 @@ the columns its adapters use at this layer (its highest rank), a row whose adapt
 it, and a group whose rows all use the same one adapter runs as one plain LoRA branch (no gather). What each row
 needs at each layer is planned once per batch (`BatchRows.write`) into a small CPU tensor the operator reads, so a
 compiled graph never sees a rank: any mix of adapters runs the same graph. Eager, a small float32 layer instead runs
-each row with its merged weight (the base weight plus its adapters' B @ A, `MERGE_MAX_WEIGHTS`), made once per batch.
+each row with its merged weight (the base weight plus its adapters' B @ A, `MERGE_MAX_WEIGHTS`): kept per device slot
+for a single adapter at strength 1, made once per batch for other strengths and mixes.
 `index` and `strength` are tensors the engine writes in place before each pipeline call; a request combining up to
 P adapters uses P picks, an unused pick has strength 0 and adds exactly 0. A layer that sees N rows (one per request:
 the text encoder, called once on the prompts and once on the negative prompts) and one that sees 2N (the denoiser
@@ -142,9 +143,10 @@ GROUP_COST_MACS = {"cpu": 200_000_000, "cuda": 500_000_000}
 # convolution runs far below a plain one's speed on the CPU, while the plain one computes every adapter for every row.
 UNION_CONV_ADAPTERS = 3
 # An eager float32 linear or conv layer with at most this many weights runs a batch with merged weights: each row's
-# base weight plus its adapters' B @ A (each adapter's product kept while its slot holds it, the merge made once per
-# batch), rows that share their picks in one call. At small widths a LoRA branch costs its operations' fixed overhead
-# far more than its multiply-adds. Set from timing the tiny preset's mixed batches on the CPU; off on CUDA until timed.
+# base weight plus its adapters' B @ A (each slot's merged weight kept while it holds its adapter, other mixes made
+# once per batch), rows that share their picks in one call. At small widths a LoRA branch costs its operations' fixed
+# overhead far more than its multiply-adds. Set from timing the tiny preset's mixed batches on the CPU; off on CUDA
+# until timed.
 MERGE_MAX_WEIGHTS = {"cpu": 1 << 17, "cuda": 0}
 # A merged conv layer (other than 1x1) with at least this many distinct weights in a batch runs them as one grouped
 # convolution, every row with its own weight; with fewer, one convolution per weight on its rows (timed on the CPU).
