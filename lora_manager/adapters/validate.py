@@ -57,8 +57,8 @@ def check_adapter(
 
 
 def _all_finite(weights: AdapterWeights) -> bool:
-    """Whether every weight is finite, in one call over them all: each tensor's largest magnitude, which is NaN or
-    Inf exactly when the tensor holds one (a check per tensor costs a third of reading the file)."""
+    """Whether every weight is finite, in one call over them all (every read pays for it): each tensor's largest
+    magnitude, which is NaN or Inf exactly when the tensor holds one."""
     tensors = [t for m in weights.modules.values() for t in (m.A, m.B)]
     return not tensors or bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())
 
