@@ -120,7 +120,8 @@ def cmd_aot_package(args: argparse.Namespace) -> None:
     from .engine import LoraManager
     from .hotswap.aot import DenoiserShapes, package_denoiser
 
-    with LoraManager.from_preset(args.preset, compile=False, slots=args.slots) as m:
+    # fuse=False: the package always runs the LoRA branch, so the base weights must stay the base
+    with LoraManager.from_preset(args.preset, compile=False, slots=args.slots, fuse=False) as m:
         gen = m.generation_defaults
         shapes = DenoiserShapes.for_pipeline(
             m.pipe, gen.get("height", 512), gen.get("width", 512), guidance=gen.get("guidance_scale", 7.5) > 1

@@ -65,6 +65,9 @@ class LoraManager:
     bound to the template's own tensors instead: no compile at start, swaps as usual (`hotswap/aot.py`).
     `zero_gpu=True` builds the engine in a ZeroGPU Space's main process, where CUDA must never be initialized: no
     pinned host memory, eager, one request per pipeline call.
+    `fuse=True` runs a call whose rows all use the same adapters at the same strengths (or none) on the base weights
+    with those adapters merged in, no LoRA branch (`hotswap/fusion.py`), at the cost of one copy of the template
+    layers' base weights (`stats()["fused_bytes"]`); off with an AOT package and on ZeroGPU.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class LoraManager:
         aot_package: str | Path | None = None,
         compile_bundle: bool = True,
         zero_gpu: bool = False,
+        fuse: bool = True,
     ):
         resident, compile = _check_layout(pipe.device, slots, max_batch, device_slots, compile, aot_package, zero_gpu)
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order (from_preset adds the load)
@@ -103,7 +107,7 @@ class LoraManager:
         with _timed(self.startup_s, "adapter_reads"):
             staged = self.registry.read_catalog(self.catalog.adapters)
         with _timed(self.startup_s, "template"):
-            self._build_template(staged, target_rank, slots, resident)
+            self._build_template(staged, target_rank, slots, resident, fuse and aot_package is None and not zero_gpu)
             self.scheduler = Scheduler(
                 self._run_batch,
                 self.residency.live,
@@ -114,7 +118,10 @@ class LoraManager:
             )
             self.registry.loader.on_done = self.scheduler.wake
         generation = {**self.generation_defaults, "max_batch": max_batch}
-        self.compilation = Compilation(pipe, self.components[self.denoiser_name], self.residency.rows, generation)
+        fusion = self.residency.fusion
+        self.compilation = Compilation(
+            pipe, self.components[self.denoiser_name], self.residency.rows, generation, fusion and fusion.switch
+        )
         self.compiled, self.aot = bool(compile), None
         if compile:
             key = self.compile_key  # once: on the CPU it asks the C++ compiler for its version
@@ -128,7 +135,12 @@ class LoraManager:
         _OPEN.add(self)
 
     def _build_template(
-        self, staged: dict[str, tuple[RegisteredAdapter, AdapterWeights]], target_rank, slots: int, resident: int
+        self,
+        staged: dict[str, tuple[RegisteredAdapter, AdapterWeights]],
+        target_rank,
+        slots: int,
+        resident: int,
+        fuse: bool,
     ) -> None:
         """Size the template's rank (the largest catalog adapter's unless given), load it over the union of the
         catalog adapters' modules (the denoiser's attention without any), and admit the catalog adapters it holds."""
@@ -136,7 +148,7 @@ class LoraManager:
         self.target_rank = target_rank or self.catalog.target_rank or max(ranks, default=8)
         keys = set().union(*(reg.keys for reg, w in staged.values() if w.rank <= self.target_rank))
         keys = keys or attention_keys(self.components[self.denoiser_name], self.denoiser_name)
-        args = (self.target_rank, slots, resident, self.max_batch, self.registry)
+        args = (self.target_rank, slots, resident, self.max_batch, self.registry, fuse)
         self.residency = Residency(self.pipe, self.components, keys, *args)
         self.registry.template = Template(self.residency.template_keys, self.target_rank)
         self.registry.admit_catalog(staged)

@@ -4,6 +4,7 @@ import it."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,16 @@ def assert_same_image(got: np.ndarray, want: np.ndarray) -> None:
 def one(adapter: str | None, strength: float) -> tuple:
     """The engine's request form (a Mix) for a single adapter, for tests that call `residency.make_resident`."""
     return ((adapter, strength),) if adapter else ()
+
+
+def run_together(m: LoraManager, requests: list[tuple], **params) -> list:
+    """Queue `requests` (mix, seed, prompt) while the worker is held, so the scheduler sees them all at once."""
+    gate = threading.Event()
+    blocker = m.submit(PROMPT, callback_on_step_end=lambda *a: (gate.wait(), a[3])[1])
+    futures = [m.submit(prompt, adapter=mix, seed=seed, output_type="np", **params) for mix, seed, prompt in requests]
+    gate.set()
+    blocker.result()
+    return [f.result() for f in futures]
 
 
 def evict_all_but(m: LoraManager, adapter_dir: Path, resident: tuple[str, ...]) -> None:

@@ -61,5 +61,5 @@ def test_a_background_thread_runs_its_torch_work_without_a_pool():
         seen["after"] = threads()
 
     seen = in_thread(body)
-    assert seen["count"] == 1 and seen["after"] == seen["before"]
+    assert seen["count"] == 1 and seen["after"] <= seen["before"]  # no pool started (another thread may have ended)
     assert torch.get_num_threads() == POOL  # the other threads keep theirs

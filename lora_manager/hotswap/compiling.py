@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from . import compile_cache
 from .batched import BatchRows
+from .fusion import FusionSwitch
 from .template import BATCH_DIM, compile_denoiser
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,15 @@ class Compilation:
     """Compiles `pipe`'s denoiser once and keeps what that cost: where the graphs came from (`source`), inductor's
     cache hits and misses, C++ kernels built, and the graphs compiled afterwards (`recompiles`)."""
 
-    def __init__(self, pipe, denoiser: torch.nn.Module, rows: BatchRows | None, generation: dict[str, Any]):
-        self._pipe, self._denoiser, self._rows = pipe, denoiser, rows
+    def __init__(
+        self,
+        pipe,
+        denoiser: torch.nn.Module,
+        rows: BatchRows | None,
+        generation: dict[str, Any],
+        fusion: FusionSwitch | None = None,
+    ):
+        self._pipe, self._denoiser, self._rows, self._fusion = pipe, denoiser, rows, fusion
         self._generation = generation  # the catalog's pipeline defaults, with `max_batch`
         self.source = "eager"
         self.compile_s: float | None = None
@@ -92,19 +100,26 @@ class Compilation:
         return {"cpp.simdlen": 256} if cpu_mixed_half else {}
 
     def _warm_up(self, phases: dict[str, float]) -> None:
-        """One short generation per batch size, so no request pays for compiling (nor recompiles): the first compiles
-        the graph (phase "compile": dynamo's trace, then inductor's compile or its cache entries); each other size
-        checks that it fits, and on CUDA records its graphs ("warm_up")."""
+        """One short generation per batch size, with the LoRA forward and (where the engine fuses) with the base
+        weights alone, so no request pays for compiling (nor recompiles): the first compiles the graph (phase
+        "compile": dynamo's trace, then inductor's compile or its cache entries); each other size checks that it
+        fits, and on CUDA records its graphs; the fused forward is its own graph ("warm_up")."""
         defaults = {k: v for k, v in self._generation.items() if k not in ("num_inference_steps", "max_batch")}
         seconds = []
-        for size in range(1, self.max_batch + 1):
-            t0 = time.perf_counter()
-            if self._rows is not None:
-                self._rows.write([[] for _ in range(size)])
-            prompt = "warm-up" if size == 1 else ["warm-up"] * size
-            generator = [torch.Generator("cpu").manual_seed(0) for _ in range(size)]
-            self._pipe(prompt, num_inference_steps=2, generator=generator[0] if size == 1 else generator, **defaults)
-            seconds.append(time.perf_counter() - t0)
+        for fused in (False, True) if self._fusion is not None else (False,):
+            if self._fusion is not None:
+                self._fusion.on = fused  # the base weights are pristine: nothing is merged yet
+            for size in range(1, self.max_batch + 1):
+                t0 = time.perf_counter()
+                if self._rows is not None:
+                    self._rows.write([[] for _ in range(size)])
+                prompt = "warm-up" if size == 1 else ["warm-up"] * size
+                generators = [torch.Generator("cpu").manual_seed(0) for _ in range(size)]
+                generator = generators[0] if size == 1 else generators
+                self._pipe(prompt, num_inference_steps=2, generator=generator, **defaults)
+                seconds.append(time.perf_counter() - t0)
+        if self._fusion is not None:
+            self._fusion.on = False
         phases["compile"], phases["warm_up"] = seconds[0], sum(seconds[1:])
         self.compile_s = sum(seconds)
         self._warm = True

@@ -20,6 +20,7 @@ from ..adapters.reader import AdapterWeights
 from ..adapters.registry import AdapterRegistry
 from ..request_schema import Mix
 from .batched import BatchRows
+from .fusion import Fusion, Picks, unsupported
 from .plan import assign_slots, plan_resident
 from .slot import DevicePrefetch, sync
 from .template import prepare_template
@@ -57,6 +58,7 @@ class Residency:
         device_slots: int,
         max_batch: int,
         registry: AdapterRegistry,
+        fuse: bool = True,
     ):
         self.rows = BatchRows(max_batch, mix_slots, pipe.device) if max_batch > 1 else None
         self.slots = prepare_template(pipe, components, keys, rank, device_slots, self.rows)  # every device slot
@@ -67,6 +69,10 @@ class Residency:
         self._store, self._fetch = registry.store, registry.weights
         mixed_on_cuda = self.rows is not None and pipe.device.type == "cuda"
         self._prefetch = DevicePrefetch(pipe.device, device_slots) if mixed_on_cuda else None
+        # a call whose rows all run the same adapters runs them merged into the base weights (`fusion`)
+        layers = {k: components[k[0]].get_submodule(k[1]) for k in self.slots[0].modules}
+        self.unfused = "turned off (fuse=False)" if not fuse else unsupported(layers)
+        self.fusion = Fusion(components, self.slots) if self.unfused is None else None
         self._last_used: dict[str, int] = {}  # adapter id -> the batch that last needed it (evict the oldest)
         self._batches = 0
 
@@ -88,7 +94,7 @@ class Residency:
             "slots": len(self.mix_slots),
             "device_slots": len(self.slots),
             "template_modules": len(self.slots[0].modules),
-        }
+        } | (self.fusion.report() if self.fusion is not None else {"fused": False, "fused_off": self.unfused})
 
     def make_resident(self, mixes: list[Mix]) -> Swap:
         """Make the adapters of `mixes` (one per request of the coming pipeline call) resident. Every incoming
@@ -104,11 +110,26 @@ class Residency:
         except BaseException:
             self._unpin(fetched.keys())
             raise
-        ms = self._write(targets, fetched, strengths) if runnable else 0.0
+        try:
+            ms = self._write(targets, fetched, strengths) if runnable else 0.0
+        except BaseException:  # a slot that failed part way was emptied: nothing records what it no longer holds
+            self._unpin((before | fetched.keys()) - self.live())
+            raise
         self._unpin((before | fetched.keys()) - set(targets))
         if self.rows is not None:
             self._write_rows(runnable, wanted)
+        if self.fusion is not None and runnable:
+            self.fusion.run(self._fused_picks(runnable))
         return Swap(ms, refused)
+
+    def _fused_picks(self, runnable: list[Mix]) -> Picks | None:
+        """The (device slot, strength factor) every row of the call runs, when all rows run the same mix; else None.
+        Without mixed batches a slot's scaling already holds its strength (factor 1)."""
+        mixes = {tuple(sorted(mix)) for mix in runnable}
+        if len(mixes) > 1:
+            return None
+        slot_of = {a: i for i, a in enumerate(self.holding) if a is not None}
+        return tuple((slot_of[a], 1.0 if self.rows is None else s) for a, s in mixes.pop())
 
     def _plan(self, runnable: list[Mix], wanted: list[str]) -> tuple[list[str | None], dict[str, float]]:
         """The adapter each device slot should hold, and the strength each loads at."""
@@ -155,7 +176,12 @@ class Residency:
                 continue
             weights = fetched[new] if new in fetched else held.get(new)
             staged = self._prefetch.take(new, weights) if self._prefetch is not None and new in fetched else None
-            slot.load(weights, strength, staged)
+            try:
+                slot.load(weights, strength, staged)
+            except BaseException:  # the slot may hold part of each adapter: empty it, and say so
+                self.holding[i] = None
+                slot.clear()
+                raise
             self.holding[i], swapped = new, True
         if not swapped:
             return 0.0

@@ -50,6 +50,7 @@ class LiveSlot:
                     )
         self.weights: AdapterWeights | None = None
         self.strength = 0.0
+        self.loads = 0  # counts `load`s: what was merged from this slot (`fusion`) is stale once it changes
         # per module: how many leading rank rows of A (columns of B) may be nonzero; all above are zero (the template
         # starts zero), so a load zeroes only what the previous adapter wrote above its own rank
         self._filled = dict.fromkeys(self.modules, 0)
@@ -96,10 +97,19 @@ class LiveSlot:
             zero += self._clear(key, rank)
         if zero:  # before the copy: on CUDA it may cover the copied rows too
             torch._foreach_zero_(zero)
+        self.loads += 1
         if plan is not None:
             torch._foreach_copy_(plan.dst, plan.src, non_blocking=True)
         self.weights = weights
         self.set_strength(strength)
+
+    @torch.no_grad()
+    def clear(self) -> None:
+        """Zero every tensor of the slot, whatever a write that failed part way left there: it then holds nothing."""
+        torch._foreach_zero_([t for m in self.modules.values() for t in (m.A, m.B, m.scaling)])
+        self._filled = dict.fromkeys(self.modules, 0)
+        self.weights, self.strength = None, 0.0
+        self.loads += 1
 
     def _clear(self, key: tuple[str, str], rank: int) -> list[torch.Tensor]:
         """What to zero at one module before an adapter of `rank` is written there: what the last one wrote above
