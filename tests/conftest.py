@@ -55,6 +55,7 @@ WORKER_GROUPS = {
     "test_engine.py": "compiled_manager",
     "test_failures.py": "compiled_manager",
     "test_slots.py": "compiled_manager",
+    "test_swap_faults.py": "compiled_manager",
 }
 
 

@@ -151,6 +151,11 @@ class AdapterStore:
         if self.on_evict:
             self.on_evict(adapter_id, weights)
 
+    @property
+    def pinned(self) -> frozenset[str]:
+        """The adapters on the device now: never evicted while they are."""
+        return frozenset(self._pinned)
+
     def pin(self, adapter_id: str) -> None:
         self._pinned.add(adapter_id)
 

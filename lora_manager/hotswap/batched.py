@@ -7,13 +7,16 @@ layer's forward becomes the base layer plus, for every row n of the input (PEFT'
 
     sum over picks p:  B[index[n, p]] @ A[index[n, p]] @ x[n] * scaling[index[n, p]] * strength[n, p]
 
-in one custom operator (`gathered_lora`). Rows are grouped by rank bucket (powers of two): each group computes only
-the columns its adapters use at this layer (its highest rank), a row whose adapters do not target the layer skips
-it, and a group whose rows all use the same one adapter runs as one plain LoRA branch (no gather). What each row
-needs at each layer is planned once per batch (`BatchRows.write`) into a small CPU tensor the operator reads, so a
-compiled graph never sees a rank: any mix of adapters runs the same graph. Eager, a small float32 layer instead runs
-each row with its merged weight (the base weight plus its adapters' B @ A, `MERGE_MAX_WEIGHTS`): kept per device slot
-for a single adapter at strength 1, made once per batch for other strengths and mixes.
+and how a layer computes that depends on where it runs, decided in `GatheredLora.forward` alone:
+
+- compiled (any device): `traced.traced_lora`, plain tensor operations at the template rank, with no Python per
+  layer and no CPU tensor read, so the graph stays whole (and capturable by CUDA graphs) for any mix of adapters;
+- eager: the rows grouped by rank bucket (powers of two): each group computes only the columns its adapters use at
+  this layer (its highest rank), a row whose adapters do not target the layer skips it, and a group whose rows all
+  use the same one adapter runs as one plain LoRA branch (no gather), planned once per batch (`BatchRows.write`);
+  a small float32 layer instead runs each row with its merged weight (the base weight plus its adapters' B @ A,
+  `MERGE_MAX_WEIGHTS`): kept per device slot for a single adapter at strength 1, made once per batch otherwise.
+
 `index` and `strength` are tensors the engine writes in place before each pipeline call; a request combining up to
 P adapters uses P picks, an unused pick has strength 0 and adds exactly 0. A layer that sees N rows (one per request:
 the text encoder, called once on the prompts and once on the negative prompts) and one that sees 2N (the denoiser
@@ -23,7 +26,6 @@ their input's row count.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from ..adapters.reader import AdapterWeights
+from .slot import LiveSlot
+from .traced import traced_lora
 
 Key = tuple[str, str]  # (component, module path)
 
@@ -61,9 +64,8 @@ class BatchRows:
         # per layer and row, for `single` batches: the device slot whose merged weight the row runs, or D (the base)
         self.weight_index = torch.zeros(0, 0, dtype=torch.long)
         self._ranks = torch.zeros(0, 0, dtype=torch.long)  # [layers, D]: each device slot's rank at each layer
-        self._held: list[AdapterWeights | None] = []  # what each column of `_ranks` was computed from
-        self.loads: list[int] = []  # per device slot: how many times it changed adapter (keys eager layers' caches)
-        self.groups: dict[tuple, list[Group]] = {}  # (layer, input shape) -> its groups, for this batch's picks
+        # per device slot: its `LiveSlot.loads` when its column of `_ranks` was computed (keys eager layers' caches)
+        self.loads: list[int] = []
 
     def bind(self, keys: list[Key], slots: int) -> None:
         """Size the plan for the template's layers (once, before any compile)."""
@@ -72,14 +74,12 @@ class BatchRows:
         self.active = [False] * len(keys)
         self._ranks = torch.zeros(len(keys), slots, dtype=torch.long)
         self._rank_lists = self._ranks.tolist()
-        self._held = [None] * slots
-        self.loads = [0] * slots
-        _BOUND[self.plan.data_ptr()] = self
+        self.loads = [-1] * slots
 
     @torch.no_grad()
-    def write(self, rows: list[list[tuple[int, float]]], held: list[AdapterWeights | None] | None = None) -> None:
-        """Set every row's (device slot, strength) picks, at most B rows, and plan each layer's rows for `held`, the
-        adapter each device slot holds (None: as at the last call). Unused picks get strength 0 (slot 0), which adds
+    def write(self, rows: list[list[tuple[int, float]]], slots: list[LiveSlot] | None = None) -> None:
+        """Set every row's (device slot, strength) picks, at most B rows, and plan each layer's rows for what the
+        device `slots` hold (None: as at the last call). Unused picks get strength 0 (slot 0), which adds
         exactly nothing."""
         total = self.strength.shape[0]
         if not 0 < len(rows) <= total // 2:
@@ -94,20 +94,19 @@ class BatchRows:
         self.version += 1
         self.written = rows
         self.single = all(len(row) <= 1 and all(s == 1.0 for _, s in row) for row in rows)
-        self.groups.clear()
-        if held is not None:
-            self._hold(held)
+        if slots is not None:
+            self._hold(slots)
         if self.keys:
             self._plan(index.view(total, self.picks), strength)
 
-    def _hold(self, held: list[AdapterWeights | None]) -> None:
-        """Each slot's rank at each layer (0 where its adapter has no weights), recomputed for slots that changed."""
-        changed = [i for i, weights in enumerate(held) if weights is not self._held[i]]
+    def _hold(self, slots: list[LiveSlot]) -> None:
+        """Each slot's rank at each layer (0 where its adapter has no weights), recomputed for the slots written
+        since (the slot's own `loads` count says so: a slot emptied by a failed write counts too)."""
+        changed = [i for i, slot in enumerate(slots) if slot.loads != self.loads[i]]
         for i in changed:
-            modules = held[i].modules if held[i] is not None else {}
+            modules = slots[i].weights.modules if slots[i].weights is not None else {}
             self._ranks[:, i] = torch.tensor([modules[k].rank if k in modules else 0 for k in self.keys])
-            self._held[i] = held[i]
-            self.loads[i] += 1
+            self.loads[i] = slots[i].loads
         if changed:
             self._rank_lists = self._ranks.tolist()
 
@@ -258,41 +257,6 @@ def run_groups(
     return out
 
 
-def lora_rows(
-    x: torch.Tensor,
-    A: torch.Tensor,
-    Bt: torch.Tensor,
-    scaling: torch.Tensor,
-    index: torch.Tensor,
-    strength: torch.Tensor,
-    plan: torch.Tensor,
-    layer: int,
-    stride: list[int],
-    padding: list[int],
-) -> torch.Tensor:
-    """The LoRA part of a layer's output for the n rows of `x`, each row with its own picks (`BatchRows`), planned
-    from the CPU plan (once per batch and input shape, kept in the `BatchRows` that owns `plan`) and run."""
-    rows, key = _BOUND.get(plan.data_ptr()), (layer, tuple(x.shape))
-    groups = rows.groups.get(key) if rows is not None else None
-    if groups is None:
-        n = x.shape[0]
-        ranks, only = tuple(plan[0, layer, :n].tolist()), tuple(plan[1, layer, :n].tolist())
-        groups = plan_groups(x, A, Bt, scaling, index, strength, ranks, only)
-        if rows is not None:
-            rows.groups[key] = groups
-    return run_groups(x, A, Bt, groups, stride, padding)
-
-
-# Every bound `BatchRows` by the address of its `plan`, the tensor a compiled graph passes to `gathered_lora`: the
-# operator finds there the groups it planned for this batch (the picks change only with `write`, which drops them).
-_BOUND: weakref.WeakValueDictionary[int, BatchRows] = weakref.WeakValueDictionary()
-
-# One operator to torch.compile: dynamo traces one node per layer instead of every step of `lora_rows` (which keeps
-# the compile of a denoiser with a hundred LoRA layers short), and the groups, read from the CPU plan when the operator
-# runs, never reach a graph. Eager layers plan once per batch and run the groups themselves (`GatheredLora`).
-gathered_lora = torch.library.custom_op("lora_manager::gathered_lora", lora_rows, mutates_args=())
-
-
 @lru_cache(maxsize=1024)
 def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """A group's row numbers as an index tensor on `device`, made once per distinct group."""
@@ -360,15 +324,10 @@ def _out_shape(x, A, Bt, stride, padding) -> tuple[int, ...]:
     return (*x.shape[:-1], Bt.shape[-1])
 
 
-@gathered_lora.register_fake
-def _(x, A, Bt, scaling, index, strength, plan, layer, stride, padding):
-    """The output's shape for tracing, without tracing the steps (contiguous, as `gathered_lora` returns it)."""
-    return x.new_empty(_out_shape(x, A, Bt, stride, padding), dtype=A.dtype)
-
-
 class GatheredLora:
     """One template layer's stacked LoRA tensors and the layer's forward over them: the base layer plus every row's
-    LoRA (`gathered_lora`). It replaces PEFT's forward, whose per-adapter branches would add nothing."""
+    LoRA (traced when compiled; eager, planned groups or merged weights). It replaces PEFT's forward, whose
+    per-adapter branches would add nothing."""
 
     def __init__(self, layer: LoraLayer, names: list[str], rows: BatchRows, layer_index: int):
         with torch.no_grad():
@@ -386,7 +345,7 @@ class GatheredLora:
         # `Merged`: per device slot its adapter's merged weight (the base weight plus B @ A x scaling), then the base
         # weight itself, [D + 1, *weight]; made on a merged layer's first batch, a slot's entry remade after its swap
         self._weights: torch.Tensor | None = None
-        self._made = [-1] * len(names)  # per slot: the `loads` count its entry of `_weights` was made at
+        self._made: list[int | None] = [None] * len(names)  # per slot: the `loads` count its entry was made at
         self._merging: bool | None = None  # `_merges`, asked once
         self._bias_rows: dict[int, torch.Tensor] = {}  # "grouped": the base bias repeated for n rows, by n
         # per slot: views of its Bt, its A as a matrix and its scaling (swaps write into them in place)
@@ -400,10 +359,10 @@ class GatheredLora:
         compiling = torch.compiler.is_compiling()
         if not compiling and not rows.active[self.layer]:  # eager: no row of this batch computes here
             return self.base_layer(x, *args, **kwargs)
-        if compiling:
+        if compiling:  # traced: no Python per layer in the graph (`traced`)
             output = self.base_layer(x, *args, **kwargs)
-            args = (self.scaling, rows.index, rows.strength, rows.plan, self.layer, self.stride, self.padding)
-            return output + gathered_lora(x.to(self.A.dtype), self.A, self.Bt, *args).to(output.dtype)
+            args = (self.scaling, rows.index, rows.strength, self.stride, self.padding)
+            return output + traced_lora(x.to(self.A.dtype), self.A, self.Bt, *args).to(output.dtype)
         plan = self._plan(x)
         if isinstance(plan, Merged):
             return self._merged(x, plan)

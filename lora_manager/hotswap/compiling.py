@@ -76,7 +76,8 @@ class Compilation:
         if skipped is None and "mode" not in kwargs:  # torch.compile takes `mode` or `options`, not both
             kwargs = {**kwargs, "options": {**kwargs.get("options", {}), **compile_cache.OPTIONS}}
         before, kernels = compile_cache.cache_counts(), compile_cache.built_kernels()
-        compile_denoiser(self._denoiser, **kwargs)
+        # one whole graph: a graph break would run part of the step eager and cut it out of CUDA graphs
+        compile_denoiser(self._denoiser, **{"fullgraph": True, **kwargs})
         # batch sizes 1..B share one graph, dynamic in the batch dimension (unless the caller chose `dynamic`)
         batch_dim = BATCH_DIM if self.max_batch > 1 and "dynamic" not in kwargs else ""
         with torch.compiler.config.patch(dynamic_sources=batch_dim), torch._inductor.config.patch(self._cpu_patch()):

@@ -197,7 +197,7 @@ class Residency:
         slot_of = {a: i for i, a in enumerate(self.holding) if a is not None}
         if runnable:
             rows = [[(slot_of[a], s) for a, s in sorted(mix)] for mix in runnable]
-            self.rows.write(rows, [slot.weights for slot in self.slots])
+            self.rows.write(rows, self.slots)
 
     def stage(self, upcoming: list[str]) -> None:
         """CUDA, mixed batches: start copying the adapters queued requests need and the device does not hold
