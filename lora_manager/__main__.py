@@ -142,9 +142,9 @@ def cmd_aot_package(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import bench
+    from .bench import bench, real_width
 
-    bench.main(args)
+    (real_width.main if args.real_width else bench.main)(args)
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> None:
@@ -282,6 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ben.add_argument("--compile", action="store_true", help="also time compile and count recompiles over 10 swaps")
     ben.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ben.add_argument(
+        "--real-width",
+        choices=("sdxl",),
+        default=None,
+        help="instead: the engine against plain diffusers (fused and not) with the model's real UNet (see docs)",
+    )
+    ben.add_argument("--latent", type=int, default=None, help="--real-width: latent size (default 128 CUDA, 16 CPU)")
+    ben.add_argument("--steps", type=int, default=None, help="--real-width: steps (default 4 CUDA, 2 CPU)")
+    ben.add_argument("--batch", type=int, default=4, help="--real-width: requests per pipeline call")
+    ben.add_argument("--rounds", type=int, default=None, help="--real-width: timed rounds (default 5 CUDA, 3 CPU)")
     ben.set_defaults(func=cmd_bench)
 
     gpc = sub.add_parser(

@@ -81,7 +81,11 @@ def test_compiled_mixed_batch_in_half_precision_never_recompiles(adapter_dir, dt
             alone = m.generate(PROMPTS[2], adapter=list(BATCH[2]), seed=22, output_type="np").image
         assert m.recompiles == 0
         check_against_plain_diffusers(adapter_dir, images, dtype)
-        assert diff(alone, images[2]) <= 1.0  # the two-LoRA request alone equals its row of the batch
+        # the two-LoRA request alone runs its LoRAs merged into the weights (rounded once to the dtype), not as a
+        # branch: it meets the same bar against float32 plain diffusers as its row of the batch
+        mix, seed, prompt = tuple(BATCH[2]), 22, PROMPTS[2]
+        full = plain(adapter_dir, mix, seed, prompt, torch.float32)
+        assert diff(alone, full) <= 1.5 * diff(plain(adapter_dir, mix, seed, prompt, dtype), full) + 1.0
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
