@@ -150,7 +150,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_gpu_check(args: argparse.Namespace) -> None:
     from .bench import gpu_check
 
-    if not gpu_check.main(args.cases.split(","), args.device, not args.no_compile, args.steps, args.json):
+    if args.child:
+        return gpu_check.child_case(args.child, args.device, not args.no_compile, args.steps, args.json)
+    cases = args.cases.split(",")
+    if not gpu_check.main(cases, args.device, not args.no_compile, args.steps, args.json, args.case_timeout):
         raise SystemExit(1)
 
 
@@ -300,10 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         "images/s vs plain diffusers, on the tiny preset and mini SDXL and Flux",
     )
     gpc.add_argument("--device", default="cuda", help="cpu runs it too, slowly (default: cuda)")
-    gpc.add_argument("--cases", default="tiny,sdxl,flux", help="comma-separated, from: tiny, sdxl, flux")
+    gpc.add_argument(
+        "--cases", default="tiny,sdxl,flux,sdxl-real", help="comma-separated, from: tiny, sdxl, flux, sdxl-real"
+    )
     gpc.add_argument("--no-compile", action="store_true", help="run the engine eager (for a quick CPU run)")
     gpc.add_argument("--steps", type=int, default=None, help="denoising steps of every image (default: each case's)")
-    gpc.add_argument("--json", type=Path, default=None)
+    gpc.add_argument("--case-timeout", type=float, default=150, help="seconds one case's process may run")
+    gpc.add_argument("--json", type=Path, default=None, help="rewritten after every case")
+    gpc.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one case, in the process that runs it
     gpc.set_defaults(func=cmd_gpu_check)
 
     load = sub.add_parser("loadtest", help="K concurrent clients x M requests: engine vs naive vs reload per request")

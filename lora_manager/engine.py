@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .adapters.catalog import load_preset, model_names, resolve_base_model
+from .adapters.catalog import half_variant, load_preset, model_names, resolve_base_model
 from .adapters.inspection import attention_keys
 from .adapters.reader import AdapterWeights
 from .adapters.registry import TEMPLATE_MARGIN, AdapterRegistry, RegisteredAdapter, Template, local_spec
@@ -66,8 +66,8 @@ class LoraManager:
     `zero_gpu=True` builds the engine in a ZeroGPU Space's main process, where CUDA must never be initialized: no
     pinned host memory, eager, one request per pipeline call.
     `fuse=True` runs a call whose rows all use the same adapters at the same strengths (or none) on the base weights
-    with those adapters merged in, no LoRA branch (`hotswap/fusion.py`), at the cost of one copy of the template
-    layers' base weights (`stats()["fused_bytes"]`); off with an AOT package and on ZeroGPU.
+    with those adapters merged in, no LoRA branch (`hotswap/fusion.py`), at the cost of one copy of the merged
+    layers' base weights while merged (`stats()["fused_bytes"]`); off with an AOT package and on ZeroGPU.
     """
 
     def __init__(
@@ -180,7 +180,8 @@ class LoraManager:
             compile: torch.compile the denoiser; None compiles on CUDA only (see the class docstring).
             device: where the pipeline runs; None is "cuda" where CUDA is available, else "cpu".
             dtype: a `torch.dtype` or its name ("float16", "bfloat16", "float32"); None is the catalog's dtype on a
-                CUDA device (`"cuda"`, `"cuda:1"`) and float32 on the CPU.
+                CUDA device (`"cuda"`, `"cuda:1"`) and float32 on the CPU. In float16 (bfloat16) the base model's
+                "fp16" ("bf16") weight files are loaded where it has them (`variant=`), half the bytes of float32.
         """
         t0 = time.perf_counter()
         pipe, catalog, root = load_pipeline(name, device, dtype)
@@ -384,8 +385,10 @@ def load_pipeline(
     catalog, root = load_preset(name)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, catalog.torch_dtype, device)
+    base_model = resolve_base_model(catalog, root)
+    variant = half_variant(base_model, str(dtype))
     with quiet_loads():
-        pipe = DiffusionPipeline.from_pretrained(resolve_base_model(catalog, root), dtype=dtype).to(device)
+        pipe = DiffusionPipeline.from_pretrained(base_model, dtype=dtype, variant=variant).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe, catalog, root
 

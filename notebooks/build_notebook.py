@@ -4,6 +4,7 @@
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) jupyter nbconvert --to notebook --execute --inplace \
         notebooks/lora_hotswap_tutorial.ipynb                 # run it (cold inductor cache, as a reader's first run)
     python notebooks/fill_readme.py                          # README's generated blocks from the run's results.json
+    python notebooks/build_notebook.py --check               # its outputs show no stderr and no machine paths
 
 The source is a jupytext percent-format script, linted and formatted with the package: `# %%` starts a code cell and
 `# %% [markdown]` a markdown cell, its lines commented with `# `. The cell titled `README recipe` holds no recipe: this
@@ -14,6 +15,7 @@ the notebook runs exactly what the README prints (tests/test_notebook.py checks 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import nbformat
@@ -66,7 +68,30 @@ def read_cells(text: str, recipe: str) -> list:
 CELLS = read_cells(SOURCE.read_text(), readme_recipe())
 
 
+# an absolute path of the machine that ran it (a temporary folder, a home, a virtual environment's packages)
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:tmp|home|root|work|usr|opt|var|mnt|Users)/|site-packages|\.venv")
+
+
+def noise(nb) -> list[str]:
+    """What an executed notebook's outputs should not show a reader: anything written to stderr (a library's
+    warnings; the tutorial's own teaching ones are printed by `logged`) and the running machine's paths."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            text = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+            text += "".join(out.get("traceback", []))
+            if out.get("name") == "stderr":
+                found.append(f"cell {i}: stderr: {text.strip()[:160]!r}")
+            elif match := MACHINE_PATH.search(text):
+                found.append(f"cell {i}: a machine path: {text[max(0, match.start() - 60) : match.end() + 60]!r}")
+    return found
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--check"]:  # the executed notebook, as committed
+        found = noise(nbformat.read(OUT, as_version=4))
+        print("\n".join(found) or f"{OUT.name}: no stderr output, no machine paths")
+        raise SystemExit(1 if found else 0)
     nb = new_notebook(cells=CELLS)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}

@@ -1,4 +1,4 @@
-"""Rewrite README.md's generated blocks from the tutorial notebook's measured values (notebooks/figures/results.json).
+"""Rewrite the generated blocks of README.md and docs/performance.md from the committed runs' JSON files.
 
     python notebooks/fill_readme.py            # rewrite the blocks in place
     python notebooks/fill_readme.py --check    # exit 1 if a block differs from what the JSON gives
@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_JSON = ROOT / "notebooks" / "figures" / "results.json"
 README = ROOT / "README.md"
+PERFORMANCE_DOC = ROOT / "docs" / "performance.md"
 BENCH = {  # other runs quoted next to the notebook's tiny-model row in the Performance table
     "SDXL-size, CPU, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_cpu.json",
     "SDXL-size, H200, bf16": ROOT / "notebooks" / "figures" / "bench_sdxl_h200.json",
@@ -111,10 +112,11 @@ def performance_block(data: dict) -> str:
     )
     lines = [header, "|" + "---|" * 10]
     for name, path in BENCH.items():
-        r = json.loads(path.read_text())["results"]
+        run = json.loads(path.read_text())
+        r, torch_version = run["results"], run["versions"]["torch"].split("+")[0]
         cells = [fmt(r[k]) for k in BENCH_COLUMNS]
         cells[2] = f"**{cells[2]}** ({r['engine_swap_ms'] / r['floor_per_tensor_ms']:.2f}× floor)"
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name}, torch {torch_version} | " + " | ".join(cells) + " |")
     ranks = ", ".join(map(str, v["swap_cycle_ranks"]))
     tiny = [
         v["floor_flat_ms"],
@@ -168,43 +170,46 @@ def skewtest_block(data: dict) -> str:
 
 
 BLOCKS = {"tutorial": tutorial_block, "performance": performance_block, "skewtest": skewtest_block}
+FILES = {"tutorial": README, "performance": README, "skewtest": PERFORMANCE_DOC}  # the page each block is in
 
 
-def fill(text: str, data: dict) -> str:
-    for name, render in BLOCKS.items():
-        pattern = re.compile(rf"(<!-- results:{name}:start -->\n).*?(<!-- results:{name}:end -->)", re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"README.md has no results:{name} markers")
-        body = render(data)
-        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- results:{name}:start -->\n)(.*?)(<!-- results:{name}:end -->)", re.S)
+
+
+def fill(text: str, data: dict, names) -> str:
+    """`text` with the blocks `names` rewritten from `data`."""
+    for name in names:
+        if not _pattern(name).search(text):
+            raise SystemExit(f"no results:{name} markers where they belong ({FILES[name].name})")
+        body = BLOCKS[name](data)
+        text = _pattern(name).sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(3), text)
     return text
 
 
-def blocks(text: str) -> dict[str, str]:
-    """The README's current generated blocks, by name."""
-    return {
-        name: re.search(rf"<!-- results:{name}:start -->\n(.*?)<!-- results:{name}:end -->", text, re.S)
-        .group(1)
-        .removesuffix("\n")
-        for name in BLOCKS
-    }
+def blocks() -> dict[str, str]:
+    """The pages' current generated blocks, by name."""
+    return {name: _pattern(name).search(path.read_text()).group(2).removesuffix("\n") for name, path in FILES.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if the README is stale")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a page is stale")
     parser.add_argument("--results", type=Path, default=RESULTS_JSON)
     args = parser.parse_args(argv)
-    old = README.read_text()
-    new = fill(old, load(args.results))
-    if args.check:
+    data, stale = load(args.results), []
+    for path in dict.fromkeys(FILES.values()):
+        old = path.read_text()
+        new = fill(old, data, [name for name, page in FILES.items() if page == path])
         if new != old:
-            print("README.md is stale: run python notebooks/fill_readme.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != old:
-        README.write_text(new)
-    print(f"README.md: {'rewrote' if new != old else 'unchanged'} blocks {', '.join(BLOCKS)} from {args.results}")
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"stale: {', '.join(map(str, stale))}; run python notebooks/fill_readme.py", file=sys.stderr)
+        return 1
+    if not args.check:
+        print(f"rewrote {', '.join(map(str, stale)) or 'nothing'} from {args.results}")
     return 0
 
 

@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import random
+import re
 import tempfile
 import time
 import warnings
@@ -56,7 +57,11 @@ from pathlib import Path
 
 ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "lora_manager").is_dir())  # the checkout
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything below is local
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the text encoder's loader; diffusers' logs stay on
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the text encoder's loader
+# tqdm's notice that Jupyter widgets are missing, and PEFT's each time a second adapter joins a model (which the
+# strategies below do on purpose): neither says anything about this tutorial
+warnings.filterwarnings("ignore", message="IProgress not found")
+warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
 
 import diffusers
 import matplotlib.pyplot as plt
@@ -75,12 +80,15 @@ from lora_manager.testing import levels  # largest per-pixel difference of two i
 
 diffusers_logging.disable_progress_bar()
 transformers_logging.disable_progress_bar()
+# diffusers' warnings show where they teach something, inside `logged` blocks below; elsewhere they are its notice
+# that a UNet-only LoRA file has no text-encoder keys, on every load
+diffusers_logging.set_verbosity_error()
 # One intra-op thread: this model's ops are too small to gain from more, and on a shared CPU a second thread
 # waiting for a busy core stalls every op.
 torch.set_num_threads(1)
 print(
     f"torch {torch.__version__} | diffusers {diffusers.__version__} | peft {peft.__version__} | "
-    f"{torch.get_num_threads()} CPU thread | inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}"
+    f"{torch.get_num_threads()} CPU thread"
 )
 
 # Helpers. Their names stay clear of the recipe's (it defines pipe, lora, name, PROMPT, ...), which runs next.
@@ -107,6 +115,10 @@ def mean_diff(a, b):  # mean absolute pixel difference, in levels of 255
     return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).mean())
 
 
+NOTICE = re.compile("No LoRA keys associated to")  # diffusers, for every LoRA file without text-encoder keys
+SITE_PACKAGES = re.compile(r"/\S*?/site-packages/")
+
+
 @contextlib.contextmanager
 def logged(limit=240, loggers=("diffusers",)):
     # Collect these loggers' records and Python warnings in the block, then print each one, shortened: a failed
@@ -115,18 +127,22 @@ def logged(limit=240, loggers=("diffusers",)):
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append
     for n in loggers:
-        saved[n], logging.getLogger(n).handlers = logging.getLogger(n).handlers, [handler]
+        log = logging.getLogger(n)
+        saved[n], log.handlers = (log.handlers, log.level), [handler]
+        log.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield
     finally:
-        for n, handlers in saved.items():
+        for n, (handlers, level) in saved.items():
             logging.getLogger(n).handlers = handlers
+            logging.getLogger(n).setLevel(level)
         lines = [(f"logged [{r.levelname} {r.name}]", r.getMessage()) for r in records]
+        lines = [(source, message) for source, message in lines if not NOTICE.match(message)]
         lines += [(f"warning [{w.category.__name__}]", str(w.message)) for w in caught]
         for source, message in lines:
-            text = " ".join(message.split())
+            text = SITE_PACKAGES.sub("", " ".join(message.split()))  # a library's file by its package path
             more = f" … ({len(text)} characters)" if len(text) > limit else ""
             print(f"  {source}: {text[:limit]}{more}")
 
@@ -572,10 +588,14 @@ del VARIANTS, u_eng, u_hot, slot, u
 #
 # `compile=True` runs the order: enable, template, `unet.compile()`, a warm-up generation. `slots=2` adds a second
 # template, so one request can combine two LoRAs. We pass the eager backend (and no precompiled bundle): dynamo traces
-# and guards as for inductor, so the graph counts are inductor's, at seconds per graph. Swapping through every LoRA:
+# and guards as for inductor, so the graph counts are inductor's, at seconds per graph. `fuse=False` keeps the LoRA
+# branch in every call, as diffusers runs it (by default a one-adapter call runs merged into the weights). Swapping
+# through every LoRA:
 
 # %%
-mc = LoraManager.from_preset("tiny", compile=True, slots=2, compile_kwargs={"backend": "eager"}, compile_bundle=False)
+mc = LoraManager.from_preset(
+    "tiny", compile=True, slots=2, compile_kwargs={"backend": "eager"}, compile_bundle=False, fuse=False
+)
 print(f"warm-up (dynamo's trace, eager backend): {mc.compile_s:.1f} s | {mc.compile_source}")
 rows = []
 for a in ["stripes", "outline", "dots", "pixel", "checker", "frame"]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from huggingface_hub import constants as hf_constants
+from huggingface_hub import hf_api
 
 FAULTS = ("500", "hang", "cut", "slow")
 HF_ENV = (
@@ -325,6 +326,8 @@ def hub_env(monkeypatch, **env: str) -> None:
             continue
         if getattr(hf_constants, name, None) != value:
             monkeypatch.setattr(hf_constants, name, value)
+    # the module-level `HfApi()` behind `model_info` and `list_repo_files` (diffusers' downloads) read it at import
+    monkeypatch.setattr(hf_api.api, "endpoint", hf_constants.ENDPOINT)
     if "HF_ENDPOINT" in env:
         assert hf_constants.ENDPOINT == env["HF_ENDPOINT"]
         assert hf_constants.HUGGINGFACE_CO_URL_TEMPLATE.startswith(env["HF_ENDPOINT"] + "/")

@@ -29,6 +29,7 @@ from lora_manager.hotswap.aot import (
     DenoiserShapes,
     check_capability,
     file_digest,
+    load_denoiser,
     open_package,
     package_denoiser,
     read_metadata,
@@ -58,7 +59,7 @@ SEQUENCE = [
 
 
 def engine(**kwargs) -> LoraManager:
-    return LoraManager.from_preset("tiny", compile=False, device="cpu", slots=1, max_batch=1, **kwargs)
+    return LoraManager.from_preset("tiny", compile=False, device="cpu", slots=1, max_batch=1, fuse=False, **kwargs)
 
 
 def pixels(result) -> np.ndarray:
@@ -95,6 +96,21 @@ def package(tmp_path_factory):
     size = path.stat().st_size / 2**20
     print(f"\npackage built in {build_s:.1f} s ({size:.1f} MiB, no weights): {shapes.describe()}")
     return SimpleNamespace(path=path, build_s=build_s, shapes=shapes)
+
+
+def test_an_engine_that_merged_an_adapter_is_refused_before_export(tmp_path):
+    """The fused path runs the base layers alone, so an export would trace no LoRA tensor, and a package run over
+    merged weights would add the adapter twice: both refused, naming the fix."""
+    with LoraManager.from_preset("tiny", compile=False, device="cpu", slots=1, max_batch=1) as fusing:
+        fusing.generate(PROMPT, "dots", 0.8, steps=1)
+        assert fusing.stats()["fused"]
+        gen = fusing.generation_defaults
+        shapes = DenoiserShapes.for_pipeline(fusing.pipe, gen["height"], gen["width"], images=1, guidance=True)
+        with pytest.raises(ValueError, match="fuse=False"):
+            package_denoiser(fusing.pipe, tmp_path / "merged.pt2", shapes)
+        with pytest.raises(ValueError, match="fuse=False"):
+            load_denoiser(fusing.pipe, tmp_path / "merged.pt2")  # refused before the file is read
+    assert not (tmp_path / "merged.pt2").exists()
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +213,7 @@ CHILD = (
     torch.set_num_threads(2)
     from lora_manager import LoraManager
     from lora_manager.hotswap.aot import load_denoiser
-    m = LoraManager.from_preset("tiny", compile=False, device="cpu", slots=1, max_batch=1)
+    m = LoraManager.from_preset("tiny", compile=False, device="cpu", slots=1, max_batch=1, fuse=False)
     ready = time.perf_counter()
     aot = load_denoiser(m.pipe, sys.argv[1])
     loaded = time.perf_counter()

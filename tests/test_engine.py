@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -113,10 +115,15 @@ def test_strength_rescales_in_place(manager, references):
 
 
 def test_info_reproduces_with_plain_diffusers(manager, adapter_dir):
+    manager.generate(PROMPT, adapter="r4_attn", steps=1)  # another adapter live: the request below swaps
+    swaps = manager.stats()["swaps"]
     result = manager.generate(PROMPT, adapter="r8_kohya", strength=1.0, seed=7, output_type="np")
     info = result.info
     assert {"adapter", "strength", "seed", "num_inference_steps", "guidance_scale", "height", "width"} <= set(info)
-    assert info["adapter"] == "r8_kohya" and info["swap_ms"] >= 0 and info["generate_ms"] > 0
+    assert info["adapter"] == "r8_kohya" and info["generate_ms"] > 0
+    assert manager.stats()["swaps"] == swaps + 1 and info["swap_ms"] == manager.stats()["swap_ms_last"] > 0
+    again = manager.generate(PROMPT, adapter="r8_kohya", strength=1.0, seed=7, steps=1).info
+    assert again["swap_ms"] == 0.0 and manager.stats()["swaps"] == swaps + 1  # already live: no swap, no time
     assert_same_image(result.image, reference(adapter_dir / "r8_kohya.safetensors", 1.0, seed=info["seed"]))
 
 
@@ -169,7 +176,15 @@ def test_the_engine_provides_the_interface_the_app_is_written_against(manager):
     assert isinstance(manager, Engine)
     assert manager.max_adapters == len(manager.residency.mix_slots)
     assert list(manager.startup_s) == ["adapter_reads", "template"]  # eager, built from a pipeline
-    assert all(s >= 0 for s in manager.startup_s.values())
+
+
+def test_start_up_phases_are_timed_in_order_within_the_construction(adapter_dir):
+    pipe, catalog = load_tiny(), make_catalog(adapter_dir)
+    t0 = time.perf_counter()
+    with LoraManager(pipe, catalog) as m:
+        wall = time.perf_counter() - t0
+        assert list(m.startup_s) == ["adapter_reads", "template"]
+        assert all(s > 0 for s in m.startup_s.values()) and sum(m.startup_s.values()) <= wall, (m.startup_s, wall)
 
 
 @pytest.mark.parametrize("content", [None, b"garbage", b""])

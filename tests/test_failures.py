@@ -44,7 +44,7 @@ def _bad_files(pipe, base, folder):
         "target outside the template": (
             write_adapter(pipe, f / "time.safetensors", rank=4, alpha=4, suffixes=("time_emb_proj",)),
             AdapterIncompatibleError,
-            "template does not cover",
+            "outside the hotswap template",
         ),
         "rank above target_rank": (
             write_adapter(pipe, f / "r32.safetensors", rank=32, alpha=32, suffixes=ATTN),

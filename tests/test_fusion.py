@@ -53,11 +53,20 @@ def test_one_adapter_runs_merged_with_no_lora_branch_as_fuse_lora_does(adapter_d
         assert unfused.stats()["fused_off"] == "turned off (fuse=False)"
 
 
-def test_merged_weights_cost_one_copy_of_the_template_layers_base_weights(adapter_dir):
-    with LoraManager(load_tiny(), make_catalog(adapter_dir)) as m:
+def test_merged_weights_cost_one_copy_of_the_merged_layers_base_weights_only(adapter_dir):
+    """The copy that restores the base covers the layers the merged adapter targets, and is dropped on restore."""
+    with LoraManager(load_tiny(), make_catalog(adapter_dir), max_batch=2) as m:
         weights = m.residency.fusion.weights
-        assert len(weights) == m.stats()["template_modules"]
-        assert m.stats()["fused_bytes"] == sum(w.numel() * w.element_size() for w in weights.values())
+        assert len(weights) == m.stats()["template_modules"] and m.stats()["fused_bytes"] == 0
+        for adapter in ("r4_attn", "r7_conv"):
+            m.generate(PROMPT, adapter=adapter, steps=1)
+            targeted = m.registry.weights(adapter).modules.keys()
+            assert 0 < len(targeted) < len(weights)
+            assert m.stats()["fused"] and m.stats()["fused_bytes"] == sum(
+                weights[k].numel() * weights[k].element_size() for k in targeted
+            )
+        run_together(m, [("r4_attn", 0, PROMPT), ("r7_conv", 1, PROMPT)])
+        assert not m.stats()["fused"] and m.stats()["fused_bytes"] == 0
 
 
 def test_base_weights_stay_bit_identical_through_merges_swaps_strengths_and_failures(adapter_dir, tmp_path):
@@ -79,7 +88,7 @@ def test_base_weights_stay_bit_identical_through_merges_swaps_strengths_and_fail
                 continue
             failures = m.stats()["fused_failures"]
             if kind == "fail":
-                fusion._pristine = FailingAfter(fusion._pristine, rng.randrange(1, len(first)))
+                fusion.weights = FailingAfter(fusion.weights, rng.randrange(1, len(first)))
             adapter = {
                 "one": rng.choice(ids),
                 "mix": [(a, round(rng.uniform(0.2, 1.2), 2)) for a in rng.sample(ids, 2)],
@@ -87,7 +96,7 @@ def test_base_weights_stay_bit_identical_through_merges_swaps_strengths_and_fail
             }.get(kind, rng.choice(ids))
             m.generate(PROMPT, adapter=adapter, strength=round(rng.uniform(0.3, 1.0), 2), seed=step, steps=1)
             if kind == "fail":
-                fusion._pristine = fusion._pristine.inner
+                fusion.weights = fusion.weights.inner
             if m.stats()["fused_failures"] > failures:
                 assert not m.stats()["fused"]  # the merge failed half way: that call ran unmerged
             if not m.stats()["fused"]:
@@ -99,7 +108,7 @@ def test_base_weights_stay_bit_identical_through_merges_swaps_strengths_and_fail
 
 
 class FailingAfter(dict):
-    """The pristine weights, failing on the n-th read: a merge that stops half way, as a device error would."""
+    """The base weights, failing on the n-th read: a merge that stops half way, as a device error would."""
 
     def __init__(self, inner: dict, n: int):
         super().__init__(inner)

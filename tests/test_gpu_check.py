@@ -45,7 +45,7 @@ def test_every_case_serves_swaps_pairs_and_a_mixed_batch_without_recompiling(tmp
         assert row["swap_ms_median"] > 0 and row["compile_source"] == "eager", row
         assert min(row["engine_img_s"], row["batch_img_s"], row["diffusers_img_s"]) > 0, row
     table = out.stdout.splitlines()
-    assert table[-4].split()[:3] == ["case", "dtype", "compile"]
+    assert table[-4].split()[:3] == ["case", "dtype", "seconds"]
     assert [line.split()[0] for line in table[-3:]] == ["tiny", "sdxl", "flux"]
 
 
@@ -54,5 +54,5 @@ def test_a_failing_case_is_shown_in_its_row_and_fails_the_command(tmp_path):
     assert out.returncode == 1
     (row,) = json.loads((tmp_path / "check.json").read_text())["rows"]
     assert row["case"] == "nope" and not row["ok"]
-    assert row["error"] == "ValueError: unknown case 'nope'; known: tiny, sdxl, flux"
+    assert row["error"] == "ValueError: unknown case 'nope'; known: tiny, sdxl, flux, sdxl-real"
     assert out.stdout.splitlines()[-1].split()[0] == "nope" and row["error"] in out.stdout

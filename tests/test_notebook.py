@@ -76,11 +76,11 @@ def test_main_path_is_short():
 
 
 def test_readme_blocks_are_the_committed_results():
-    """Every generated README block equals what fill_readme.py writes from the committed results.json: a README
-    quoting another run fails here (fix: python notebooks/fill_readme.py)."""
+    """Every generated block (README.md, docs/performance.md) equals what fill_readme.py writes from the committed
+    JSON files: a page quoting another run fails here (fix: python notebooks/fill_readme.py)."""
     fill = _module("fill_readme")
     data = fill.load(RESULTS)
-    current = fill.blocks(README.read_text())
+    current = fill.blocks()
     assert current == {name: render(data) for name, render in fill.BLOCKS.items()}
 
 
@@ -89,6 +89,10 @@ def test_committed_notebook_outputs_are_the_committed_results():
     come from one run."""
     fill = _module("fill_readme")
     assert _recap_markdown(nbformat.read(NOTEBOOK, as_version=4)) == fill.results_table(fill.load(RESULTS))
+
+
+def test_committed_outputs_show_no_library_noise_or_machine_paths():
+    assert _module("build_notebook").noise(nbformat.read(NOTEBOOK, as_version=4)) == []
 
 
 @pytest.mark.notebook
@@ -111,6 +115,7 @@ def test_notebook_runs_offline(tmp_path, monkeypatch):
     assert all(c.execution_count for c in code), "not every code cell ran"
     last = "".join(o.get("text", "") for o in code[-1].outputs)
     assert "notebook ran in" in last, f"the last cell did not finish: {last!r}"
+    assert _module("build_notebook").noise(nb) == []
     fill = _module("fill_readme")
     fresh, committed = fill.load(results), fill.load(RESULTS)
     assert _recap_markdown(nb) == fill.results_table(fresh)

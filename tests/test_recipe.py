@@ -18,6 +18,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from lora_manager.bench.mini_pipelines import mini_flux, mini_sdxl
 
@@ -76,6 +77,12 @@ def settings_of(code: str) -> dict:
 def run_recipe(tmp_path: Path, **settings) -> dict:
     """The recipe as a script with `settings` replacing its assignments, run from the repo root; returns the settings
     it ran with."""
+    code, done = recipe_process(tmp_path, **settings)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return settings_of(code)
+
+
+def recipe_process(tmp_path: Path, **settings) -> tuple[str, subprocess.CompletedProcess]:
     code = recipe()
     lines = code.splitlines()
     for node in reversed(ast.parse(code).body):  # from the end, so earlier line numbers stay valid
@@ -84,9 +91,7 @@ def run_recipe(tmp_path: Path, **settings) -> dict:
     code = "\n".join(lines) + "\n"
     script = tmp_path / "recipe.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return settings_of(code)
+    return code, subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
 
 
 def reference(ran: dict, lora: str | None) -> np.ndarray:
@@ -145,3 +150,17 @@ def test_the_recipe_on_mini_sdxl_and_flux_with_several_formats(tmp_path, arch):
         OUT=str(tmp_path / "out"),
     )
     check_images(ran)
+
+
+@pytest.mark.parametrize("kind", ["dora", "bias"])
+def test_the_recipe_refuses_dora_and_lora_bias_files_by_name(tmp_path, kind):
+    """A and B alone would make such a file silently wrong: the recipe stops, naming the file."""
+    sd = load_file(TINY / "adapters" / "stripes.safetensors")
+    key = next(k for k in sd if "to_q.lora_B" in k)
+    extra = key.replace("lora_B.weight", "lora_magnitude_vector") if kind == "dora" else key.replace("weight", "bias")
+    sd[extra] = torch.ones(sd[key].shape[0])
+    path = tmp_path / f"{kind}.safetensors"
+    save_file(sd, path)
+    _, done = recipe_process(tmp_path, LORAS=[str(TINY / "adapters" / "dots.safetensors"), str(path)])
+    assert done.returncode == 1
+    assert f"ValueError: {path}: DoRA or LoRA bias in " in done.stderr

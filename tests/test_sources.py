@@ -175,7 +175,8 @@ def test_missing_file_and_revision(hub):
 def test_private_repo_needs_token(hub, blobs, monkeypatch):
     err = resolve_error("owner/private", "priv", weight_name="lora.safetensors")
     assert "not found, or private (set HF_TOKEN" in str(err)
-    assert all("authorization" not in r.headers for r in hub.requests)
+    asked = [r for r in hub.requests if r.path.startswith(("/owner/private/", "/api/models/owner/private"))]
+    assert asked and all("authorization" not in r.headers for r in hub.requests), hub.requests  # asked, no token
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)  # read by huggingface_hub at call time
     hub.clear()

@@ -40,3 +40,32 @@ def resolve_base_model(catalog: Catalog, root: Path) -> str:
     """A base model is a Hub id or a folder relative to the catalog."""
     local = root / catalog.base_model
     return str(local) if local.is_dir() else catalog.base_model
+
+
+VARIANTS = {"float16": "fp16", "bfloat16": "bf16"}  # diffusers' names for a repo's half-precision weight files
+
+
+def half_variant(base_model: str, dtype: str) -> str | None:
+    """The `variant` to load `base_model` with in `dtype`: "fp16" (or "bf16") where the folder or Hub repo has weight
+    files of that variant, about half the bytes of its float32 ones to download and read; else None."""
+    variant = VARIANTS.get(dtype.removeprefix("torch."))
+    if variant is None:
+        return None
+    return variant if any(f".{variant}." in Path(name).name for name in _files(base_model)) else None
+
+
+def _files(base_model: str) -> list[str]:
+    """A base model's file names: the folder's, the Hub repo's, or (offline) those of its cached snapshot."""
+    if Path(base_model).is_dir():
+        return [str(p) for p in Path(base_model).rglob("*")]
+    from huggingface_hub import constants, list_repo_files, snapshot_download
+
+    if not constants.is_offline_mode():
+        try:
+            return list_repo_files(base_model)
+        except Exception:  # noqa: BLE001 - a Hub that cannot list (unreachable, gated) leaves the cache to ask
+            pass
+    try:
+        return [str(p) for p in Path(snapshot_download(base_model, local_files_only=True)).rglob("*")]
+    except Exception:  # noqa: BLE001 - not cached either: load without a variant, as diffusers does by default
+        return []

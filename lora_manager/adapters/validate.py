@@ -40,7 +40,12 @@ def check_adapter(
 ) -> None:
     """Collect every problem, then raise one error naming the adapter, the modules and the fix."""
     finite = _all_finite(weights)
-    problems = [p for key, m in weights.modules.items() for p in _module_problems(key, m, components, template, finite)]
+    problems = [p for key, m in weights.modules.items() for p in _module_problems(key, m, components, finite)]
+    uncovered = [
+        k for k, m in weights.modules.items() if template is not None and k not in template and _fits(k, m, components)
+    ]
+    if uncovered:
+        problems.append(_uncovered(uncovered))
     if target_rank is not None and weights.rank > target_rank:
         worst = max(weights.modules.items(), key=lambda kv: kv[1].rank)[0]
         problems.append(
@@ -63,7 +68,27 @@ def _all_finite(weights: AdapterWeights) -> bool:
     return not tensors or bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, math.inf))).all())
 
 
-def _module_problems(key, m, components, template, finite: bool) -> list[Problem]:
+def _fits(key, m, components) -> bool:
+    """Whether the module exists in the base model with the shapes the adapter's A and B have."""
+    try:
+        a_shape, b_shape = lora_shapes(components[key[0]].get_submodule(key[1]), m.rank)
+    except (AttributeError, TypeError):
+        return False
+    return (tuple(m.A.shape), tuple(m.B.shape)) == (a_shape, b_shape)
+
+
+def _uncovered(keys: list[tuple[str, str]]) -> Problem:
+    """One problem for every module outside the template, with the fix said once."""
+    names = ", ".join(".".join(k) for k in keys[:MAX_LISTED])
+    more = f" and {len(keys) - MAX_LISTED} more" if len(keys) > MAX_LISTED else ""
+    return Problem(
+        AdapterIncompatibleError,
+        f"{len(keys)} of its modules are outside the hotswap template ({names}{more}): add the adapter (or one that "
+        "targets the same modules) to the catalog and restart, so the template spans its modules",
+    )
+
+
+def _module_problems(key, m, components, finite: bool) -> list[Problem]:
     """One module's problems; `finite`: the adapter's weights are known to be finite (else each module is checked)."""
     comp, module = key
     name = f"{comp}.{module}"
@@ -84,14 +109,6 @@ def _module_problems(key, m, components, template, finite: bool) -> list[Problem
                 AdapterIncompatibleError,
                 f"{name} has lora_A {tuple(m.A.shape)} / lora_B {tuple(m.B.shape)} but this base model needs "
                 f"{a_shape} / {b_shape}: the adapter was made for another base model",
-            )
-        )
-    elif template is not None and key not in template:
-        problems.append(
-            Problem(
-                AdapterIncompatibleError,
-                f"targets {name}, which the hotswap template does not cover: add the adapter to the catalog and "
-                "restart, so the template spans its modules",
             )
         )
     if not finite and not (torch.isfinite(m.A).all() and torch.isfinite(m.B).all()):

@@ -38,6 +38,7 @@ from ..adapters.reader import AdapterWeights, ModuleLora, read_adapter
 from ..adapters.sources import resolve
 from ..adapters.store import AdapterStore
 from ..hotswap.batched import BatchRows, install
+from ..hotswap.slot import LiveSlot
 from ..hotswap.template import SLOT, prepare_template, slot_names
 from ..testing import lora_layers
 from . import strategies as S
@@ -232,7 +233,7 @@ def prepare_gathered(
     slots = prepare_template(unet, {"unet": unet}, {("unet", m) for m in modules}, rank, len(weights), rows)
     for slot, w in zip(slots, weights, strict=True):
         slot.load(w, 1.0)
-    rows.write([[(i % len(weights), 1.0)] for i in range(requests)], weights)
+    rows.write([[(i % len(weights), 1.0)] for i in range(requests)], slots)
     return rows
 
 
@@ -289,7 +290,10 @@ def measure_mixed_layers(wl: Workload, repeats: int) -> dict:
             one = _call_ms(model, x, repeats, device)
             rows = BatchRows(rows_n, 1, device)
             install({"m": model}, names, rows)
-            rows.write([[(i % slots, 1.0)] for i in range(rows_n)], [_as_weights(model[0], n) for n in names])
+            live = [LiveSlot({"m": model}, n) for n in names]
+            for slot, n in zip(live, names, strict=True):
+                slot.load(_as_weights(model[0], n), 1.0)
+            rows.write([[(i % slots, 1.0)] for i in range(rows_n)], live)
             gathered = _call_ms(model, x, repeats, device)
         out["layers"].append(
             {"width": width, "tokens": tokens, "no_lora_ms": base, "one_branch_ms": one, "gathered_mixed_ms": gathered}
@@ -299,7 +303,7 @@ def measure_mixed_layers(wl: Workload, repeats: int) -> dict:
 
 def _as_weights(layer, name: str) -> AdapterWeights:
     """PEFT's own weights for one adapter of a bare LoRA layer, as the adapter the gathered forward plans for."""
-    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
+    A, B = layer.lora_A[name].weight.clone(), layer.lora_B[name].weight.clone()
     return AdapterWeights({("m", "0"): ModuleLora(A, B, alpha=A.shape[0], scale=1.0)}, format="peft")
 
 

@@ -2,14 +2,20 @@
 
 Half precision on CUDA kernels (float16, bfloat16), compiled graphs that survive swaps, two-adapter requests and mixed
 batches without one recompile, swap latency, and throughput against plain diffusers; on the tiny preset and on small
-random-weight SDXL and Flux pipelines built from config, so nothing is downloaded. A failing case is shown in its row
-of the one table printed at the end, and makes the command exit non-zero.
+random-weight SDXL and Flux pipelines built from config, so nothing is downloaded, and (`sdxl-real`) the real-width
+benchmark's rows (`real_width.py`). Each case runs in its own process under a time limit, so one that stalls costs
+only its limit; its row is printed the moment it ends and the JSON is rewritten after every case. A failing case is
+shown in its row and makes the command exit non-zero.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -60,11 +66,14 @@ class Row:
     batch_img_s: float | None = None  # one mixed batch of ENGINE["max_batch"] requests, different adapters
     diffusers_img_s: float | None = None  # plain diffusers, one LoRA by load_lora_weights, eager
     finite: bool | None = None  # every image of the case, engine's and plain diffusers', without NaN or inf
+    real_width: dict | None = None  # `sdxl-real`: the real-width benchmark's medians and ratios
+    seconds: float | None = None  # the case's process, start to end
     error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.recompiles == 0 and self.finite is True
+        images = self.finite is True or (self.real_width is not None and self.finite is None)
+        return self.error is None and self.recompiles == 0 and images
 
 
 def start_tiny(device: str, dtype: torch.dtype, compile: bool, folder: Path) -> Engine:
@@ -97,11 +106,13 @@ def mini_case(build: Callable[..., DiffusionPipeline], generation: dict) -> Star
     return start
 
 
-CASES: dict[str, tuple[torch.dtype, Start]] = {
+CASES: dict[str, tuple[torch.dtype, Start | None]] = {
     "tiny": (torch.float16, start_tiny),
     "sdxl": (torch.float16, mini_case(mini_sdxl, SDXL_GEN)),
     "flux": (torch.bfloat16, mini_case(mini_flux, FLUX_GEN)),
+    "sdxl-real": (torch.float16, None),  # `real_width.run`
 }
+CASE_TIMEOUT_S = 150.0
 
 
 def finite(images: list[np.ndarray]) -> bool:
@@ -167,14 +178,34 @@ def adapter_file(m: LoraManager, adapter_id: str) -> Path:
     return source if source.is_absolute() else m.catalog_root / source
 
 
+def real_width_case(row: Row, device: str, dtype: torch.dtype, compile: bool, steps: int | None) -> None:
+    """The real-width rows (`bench --real-width sdxl`) at the CUDA defaults but for rounds, which fit the limit."""
+    from .real_width import run
+
+    cuda = device.startswith("cuda")
+    dtype = dtype if cuda else torch.float32
+    row.dtype = str(dtype).removeprefix("torch.")
+    report = run("sdxl", device, dtype, 128 if cuda else 8, steps or (4 if cuda else 1), 4, 3, compile, None)
+    row.compile_s, row.compile_source = report.compile_s, "compiled" if compile else "eager"
+    row.recompiles = report.recompiles
+    medians = {name: r.median for name, r in report.rows.items()}
+    row.engine_img_s = 1e3 / medians["engine, one adapter"]
+    row.batch_img_s = 1e3 / medians["engine, ranks 8/4/16/64"]
+    row.diffusers_img_s = 1e3 / medians["plain diffusers, one LoRA"]
+    row.real_width = {"ms_per_image": medians, "ratios": report.ratios}
+
+
 def run_case(name: str, device: str, compile: bool, steps: int | None) -> Row:
-    """One case from a clean compiler state; any failure is caught into the row."""
+    """One case, in this process, from a clean compiler state; any failure is caught into the row."""
     row = Row(name)
     try:
         if name not in CASES:
             raise ValueError(f"unknown case {name!r}; known: {', '.join(CASES)}")
         dtype, start = CASES[name]
         row.dtype = str(dtype).removeprefix("torch.")
+        if start is None:
+            real_width_case(row, device, dtype, compile, steps)
+            return row
         # diffusers gives every denoiser's forward one code object: without a reset this case's compile would count
         # against the previous case's graphs (dynamo's recompile limit) instead of starting as in a fresh process
         torch._dynamo.reset()
@@ -193,68 +224,96 @@ def run_case(name: str, device: str, compile: bool, steps: int | None) -> Row:
     return row
 
 
-def table(rows: list[Row]) -> str:
-    """Aligned columns, an error by its first line (the JSON and the traceback above have the rest)."""
-    head = (
-        "case",
-        "dtype",
-        "compile s",
-        "recompiles",
-        "swap ms",
-        "engine img/s",
-        "batch img/s",
-        "diffusers img/s",
-        "finite",
-        "ok",
-        "error",
-    )
+HEAD = ("case", "dtype", "seconds", "compile s", "recompiles", "swap ms", "engine img/s", "batch img/s")
+HEAD += ("diffusers img/s", "finite", "ok", "error")
+
+
+def line(row: Row | None) -> str:
+    """One row of the table in fixed columns (the header for None), so rows print as their cases end."""
 
     def cell(value) -> str:
         return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
-    lines = [
-        [
-            cell(v)
-            for v in (
-                r.case,
-                r.dtype,
-                r.compile_s,
-                r.recompiles,
-                r.swap_ms_median,
-                r.engine_img_s,
-                r.batch_img_s,
-                r.diffusers_img_s,
-                r.finite,
-                r.ok,
-                r.error and r.error.splitlines()[0],
-            )
-        ]
-        for r in rows
-    ]
-    widths = [max(len(x) for x in column) for column in zip(head, *lines, strict=True)]
-    return "\n".join(
-        "  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *lines]
-    )
+    cells = HEAD
+    if row is not None:
+        values = (row.case, row.dtype, row.seconds, row.compile_s, row.recompiles, row.swap_ms_median)
+        values += (row.engine_img_s, row.batch_img_s, row.diffusers_img_s, row.finite, row.ok)
+        cells = (*map(cell, values), row.error.splitlines()[0] if row.error else "-")
+    widths = [max(len(h), 9) for h in HEAD]
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
-def main(cases: list[str], device: str, compile: bool, steps: int | None, json_path: Path | None) -> bool:
-    """Run every case, print the table (and write JSON); whether every case passed."""
-    # warnings and progress bars this run gives by design (the template's keys missing from a text encoder's
-    # checkpoint, SDXL's VAE cast to float32 on every call, every load) would bury the table; failures land in it
+def child_case(name: str, device: str, compile: bool, steps: int | None, json_path: Path) -> None:
+    """`gpu-check --child NAME`: one case in this process, its row written to `json_path`."""
+    quiet()
+    row = run_case(name, device, compile, steps)
+    json_path.write_text(json.dumps({**asdict(row), "device": describe(device)}))
+
+
+def run_child(name: str, device: str, compile: bool, steps: int | None, timeout_s: float) -> tuple[Row, str]:
+    """One case in a fresh process (a clean CUDA context and compiler state), killed with its children past
+    `timeout_s`; its output goes straight to this terminal."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "row.json"
+        cmd = [sys.executable, "-m", "lora_manager", "gpu-check", "--child", name, "--device", device]
+        cmd += ["--json", str(out), *([] if compile else ["--no-compile"]), *(["--steps", str(steps)] if steps else [])]
+        t0 = time.perf_counter()
+        child = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        seconds = time.perf_counter() - t0
+        if out.exists():
+            data = json.loads(out.read_text())
+            where = data.pop("device")
+            row = Row(**data)
+        else:
+            where = device
+            ended = f"timed out after {timeout_s:.0f} s" if child.returncode == -signal.SIGKILL else "no row"
+            row = Row(name, error=f"the case's process ended with code {child.returncode}: {ended}")
+    row.seconds = seconds
+    return row, where
+
+
+def describe(device: str) -> str:
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return device
+
+
+def quiet() -> None:
+    """Warnings and progress bars this run gives by design (the template's keys missing from a text encoder's
+    checkpoint, SDXL's VAE cast to float32 on every call, every load) would bury the rows; failures land in them."""
     for library in (diffusers, transformers):
         library.utils.logging.set_verbosity_error()
         library.utils.logging.disable_progress_bar()
-    rows = [run_case(name, device, compile, steps) for name in cases]
-    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
-    where = f"{device} ({torch.cuda.get_device_name(device)})" if cuda else device
-    print(f"gpu-check on {where}, torch {torch.__version__}, {'compiled' if compile else 'eager'}")
-    print(table(rows))
-    if json_path is not None:
-        report = {
-            "device": where,
-            "torch": torch.__version__,
-            "compile": compile,
-            "rows": [{**asdict(r), "ok": r.ok} for r in rows],
-        }
-        json_path.write_text(json.dumps(report, indent=2))
+
+
+def main(
+    cases: list[str],
+    device: str,
+    compile: bool,
+    steps: int | None,
+    json_path: Path | None,
+    timeout_s: float = CASE_TIMEOUT_S,
+) -> bool:
+    """Run every case in its own process, print each row as it ends (and rewrite the JSON); whether all passed."""
+    print(f"gpu-check on {device}, torch {torch.__version__}, {'compiled' if compile else 'eager'}", flush=True)
+    rows: list[Row] = []
+    for name in cases:
+        row, where = run_child(name, device, compile, steps, timeout_s)
+        rows.append(row)
+        print(line(None), flush=True)
+        print(line(row), flush=True)
+        if json_path is not None:
+            report = {
+                "device": where,
+                "torch": torch.__version__,
+                "compile": compile,
+                "rows": [{**asdict(r), "ok": r.ok} for r in rows],
+            }
+            json_path.write_text(json.dumps(report, indent=2))
+    print("\n" + "\n".join([line(None), *map(line, rows)]), flush=True)
     return all(r.ok for r in rows)

@@ -39,6 +39,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from ..errors import LoraManagerError
+from .fusion import switch_of
 
 SCALING_BUFFER = "lora_scaling_"  # + adapter name: the buffer a layer's scaling is exported under
 _META_KEY = "lora_manager.aot"  # the package metadata entry that holds `DenoiserShapes` and the constants' layout
@@ -176,6 +177,11 @@ def package_denoiser(pipe, path: str | Path, shapes: DenoiserShapes, **inductor_
     path.parent.mkdir(parents=True, exist_ok=True)
     if unet.training:
         raise ValueError("export the UNet in eval mode (dropout would be traced).")
+    if any((switch := switch_of(layer)) is not None and switch.on for _, layer in _lora_layers(unet)):
+        raise ValueError(
+            "the UNet runs with an adapter merged into its base weights (the engine's fused path), so the export "
+            "would not see the LoRA tensors: package from an engine built with fuse=False."
+        )
     sample, timestep, text = shapes.example_inputs(unet.device)
     with _scalings_as_buffers(unet), torch.no_grad():
         # the UNet itself, not a wrapper module: the package's constants then carry the UNet's own names (its
@@ -395,6 +401,11 @@ def load_denoiser(pipe, path: str | Path, install: bool = True) -> AotDenoiser:
     (same tensor objects, same device, contiguous) for as long as the package is used."""
     path = Path(path)
     unet = pipe.unet
+    if any(switch_of(layer) is not None for _, layer in _lora_layers(unet)):
+        raise ValueError(
+            "this UNet's engine merges a one-adapter call's adapters into the base weights, and the package runs "
+            "the LoRA branch over them too: build the engine with fuse=False (or pass aot_package=)."
+        )
     t0 = time.perf_counter()
     model = open_package(path)
     meta = read_metadata(model)

@@ -3,11 +3,12 @@ strengths (or none) runs the base weights with those adapters merged in, and no 
 
 Every template layer's forward first reads one switch (`FusionSwitch.on`): on, it is the base layer alone; off, the
 LoRA forward as before (PEFT's, or the gathered one of mixed batches). A compiled denoiser guards on the switch, so it
-keeps one graph for each value, both made at warm-up: switching is never a recompile. The base weights the template
-layers wrap are kept once more, untouched (`pristine`): a merge writes pristine + sum of B @ A x scale x strength
-into the layer's weight in place (in float32, rounded once), and a restore copies the pristine weight back, so the
-base is bit-identical after any sequence of merges, swaps, strength changes and failures (never an unmerge by
-subtraction, which drifts in half precision). That copy is what the path costs in memory (`report`).
+keeps one graph for each value, both made at warm-up: switching is never a recompile. Before a merge first writes a
+layer's weight, that weight is copied once, untouched (`pristine`); the merge writes pristine + sum of
+B @ A x scale x strength into the weight in place (in float32, rounded once), and a restore copies the pristine
+weight back and drops the copy, so the base is bit-identical after any sequence of merges, swaps, strength changes
+and failures (never an unmerge by subtraction, which drifts in half precision). The copies of the layers merged now
+are what the path costs in memory (`report`): an adapter on the attention layers alone copies only those.
 """
 
 from __future__ import annotations
@@ -56,10 +57,9 @@ class Fusion:
         self._slots = slots
         layers = {k: _layer(components, k) for k in slots[0].modules}
         self.weights = {k: layer.get_base_layer().weight for k, layer in layers.items()}
-        with torch.no_grad():
-            self._pristine = {k: w.detach().clone() for k, w in self.weights.items()}
+        # the base weight of every layer a merge may have written; a layer not here holds its base weight
+        self._pristine: dict[Key, torch.Tensor] = {}
         self._merged: tuple | None = None  # what the weights hold now (None: the pristine base)
-        self._dirty: set[Key] = set()  # the layers whose weight differs from the pristine one
         self.merges = self.failures = 0
         for layer in layers.values():
             layer.forward = _switched(layer.get_base_layer(), layer.forward, self.switch)
@@ -103,11 +103,14 @@ class Fusion:
         for i, _ in picks:
             held = self._slots[i].weights
             targeted |= held.modules.keys() if held is not None else set()
-        for key in self._dirty - targeted:
+        for key in self._pristine.keys() - targeted:
             self.weights[key].copy_(self._pristine[key])
-        self._dirty &= targeted
+            del self._pristine[key]
         for key in targeted:
-            weight, pristine = self.weights[key], self._pristine[key]
+            weight = self.weights[key]
+            if key not in self._pristine:
+                self._pristine[key] = weight.detach().clone()
+            pristine = self._pristine[key]
             total = pristine.to(torch.float32, copy=True).view(pristine.shape[0], -1)
             for i, factor in picks:
                 slot = self._slots[i]
@@ -117,17 +120,16 @@ class Fusion:
                 live, r = slot.modules[key], module.rank
                 B, A = live.B.flatten(1)[:, :r].to(torch.float32), live.A.flatten(1)[:r].to(torch.float32)
                 total.addmm_(B, A, alpha=module.scale * slot.strength * factor)
-            self._dirty.add(key)
             weight.copy_(total.view(weight.shape))
         self.merges += 1
 
     @torch.no_grad()
     def _restore(self) -> None:
-        """Every changed weight back to its pristine copy, bit for bit."""
+        """Every changed weight back to its pristine copy, bit for bit; the copies are then dropped."""
         self._merged = None
-        for key in list(self._dirty):
+        for key in list(self._pristine):
             self.weights[key].copy_(self._pristine[key])
-            self._dirty.discard(key)
+            del self._pristine[key]
 
 
 def _switched(base: nn.Module, lora_forward, switch: FusionSwitch):
@@ -139,7 +141,13 @@ def _switched(base: nn.Module, lora_forward, switch: FusionSwitch):
         return lora_forward(x, *args, **kwargs)
 
     forward.__wrapped__ = lora_forward  # `inspect.unwrap` finds the LoRA forward
+    forward.fusion_switch = switch
     return forward
+
+
+def switch_of(layer: nn.Module) -> FusionSwitch | None:
+    """The switch a template layer's forward reads (None: the layer is not under a `Fusion`)."""
+    return getattr(layer.forward, "fusion_switch", None)
 
 
 def _layer(components: dict[str, nn.Module], key: Key) -> LoraLayer:
