@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import LoraManagerError
+from .options import APP_MAX_BATCH, APP_SLOTS, add_layout_options
 from .specs import DTYPE_NAMES
 
 DTYPE_HELP = "the pipeline's dtype (env LORA_DTYPE; default: the preset's on CUDA, float32 on the CPU)"
@@ -236,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     gen.add_argument("--dtype", choices=DTYPE_NAMES, default=os.environ.get("LORA_DTYPE") or None, help=DTYPE_HELP)
     gen.add_argument("--target-rank", type=int, default=None)
-    gen.add_argument("--slots", type=int, default=1, help="hotswap slots (at least one per --adapter; the app: 2)")
-    gen.add_argument("--max-batch", type=int, default=1, help="requests one pipeline call may hold (the app: 4)")
+    gen.add_argument(
+        "--slots", type=int, default=1, help=f"hotswap slots (at least one per --adapter; the app: {APP_SLOTS})"
+    )
+    gen.add_argument(
+        "--max-batch", type=int, default=1, help=f"requests one pipeline call may hold (the app: {APP_MAX_BATCH})"
+    )
     gen.add_argument("--repeat", type=int, default=1, help="generate N times and report the median and min generate_ms")
     gen.add_argument("--out", type=Path, default=Path("out.png"))
     gen.set_defaults(func=cmd_generate)
@@ -251,18 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cc = sub.add_parser("compile-cache", help="build a preset's compile artifacts for this machine kind (see README)")
     cc.add_argument("--preset", default="tiny")
-    cc.add_argument(
-        "--slots",
-        type=int,
-        default=int(os.environ.get("LORA_SLOTS", 2)),
-        help="as the app runs it (env LORA_SLOTS; default 2)",
-    )
-    cc.add_argument(
-        "--max-batch",
-        type=int,
-        default=int(os.environ.get("LORA_MAX_BATCH", 4)),
-        help="as the app runs it (env LORA_MAX_BATCH; default 4)",
-    )
+    add_layout_options(cc)
     cc.set_defaults(func=cmd_compile_cache)
 
     aot = sub.add_parser("aot-package", help="AOTInductor package of the denoiser with swappable LoRA tensors")

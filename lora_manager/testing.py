@@ -1,5 +1,5 @@
 """Shared by the tests, the benchmarks, the Space's Compare tab and the tutorial: real LoRA files with chosen ranks,
-alphas, targets and key formats; image and slot comparisons; a free port and `python app.py` started on it. The engine
+alphas, targets and key formats; slot comparisons; a free port and `python app.py` started on it. The engine
 never imports this module."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -93,17 +92,6 @@ def rewrite(src: Path, dst: Path, edit) -> Path:
     edit(tensors, metadata)
     save_file(tensors, str(dst), metadata=metadata)
     return dst
-
-
-def to_8bit(image) -> np.ndarray:
-    """An image (PIL, uint8 array, or float array in [0, 1] as `output_type="np"` gives) as integer 8-bit levels."""
-    array = np.asarray(image)
-    return (array * 255).round().astype(int) if array.dtype.kind == "f" else array.astype(int)
-
-
-def levels(a, b) -> int:
-    """Largest per-pixel difference of two images, in levels of 255."""
-    return int(np.abs(to_8bit(a) - to_8bit(b)).max())
 
 
 def snapshot(slots: Iterable[LiveSlot]) -> list[SlotSnapshot]:

@@ -76,7 +76,7 @@ from torch._dynamo.utils import counters
 from transformers.utils import logging as transformers_logging
 
 from lora_manager import LoraManager, LoraManagerError
-from lora_manager.testing import levels  # largest per-pixel difference of two images, in 8-bit levels
+from lora_manager.images import levels  # largest per-pixel difference of two images, in 8-bit levels
 
 diffusers_logging.disable_progress_bar()
 transformers_logging.disable_progress_bar()

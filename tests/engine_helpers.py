@@ -13,7 +13,8 @@ from diffusers import StableDiffusionPipeline
 
 from lora_manager import AdapterSpec, Catalog, LoraManager
 from lora_manager.adapters.inspection import BLOCKS
-from lora_manager.testing import levels, same_slots, snapshot
+from lora_manager.images import levels
+from lora_manager.testing import same_slots, snapshot
 
 from helpers import GEN, PROMPT, TINY_MODEL
 

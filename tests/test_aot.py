@@ -34,7 +34,7 @@ from lora_manager.hotswap.aot import (
     package_denoiser,
     read_metadata,
 )
-from lora_manager.testing import levels
+from lora_manager.images import levels
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from lora_manager.testing import levels
+from lora_manager.images import levels
 
 from helpers import APP_MARKS, CATALOG, PROMPT, ROOT, adapter_ids, running_app
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lora_manager import testing
-from lora_manager.testing import levels
+from lora_manager.images import levels
 
 from helpers import APP_MARKS, CATALOG, PROMPT, READY_TIMEOUT_S, ROOT, adapter_ids, running_app
 
@@ -45,18 +45,18 @@ def test_the_app_prints_nothing_but_its_own_lines_before_ready():
 def test_the_default_preset_fits_the_hardware():
     """With CUDA and no preset asked for, the app runs the preset whose catalog is sized for the README's
     suggested_hardware (the hardware the Space asks for); without CUDA, or on hardware no preset is for, tiny."""
-    import app
+    from lora_manager.space import cli
 
-    hardware = app.suggested_hardware(ROOT / "README.md")
-    catalogs = app.preset_hardware()
-    on_gpu = app.choose_preset(None, True, hardware, catalogs)
+    hardware = cli.suggested_hardware(ROOT / "README.md")
+    catalogs = cli.preset_hardware()
+    on_gpu = cli.choose_preset(None, True, hardware, catalogs)
     assert on_gpu.preset != "tiny" and catalogs[on_gpu.preset] == hardware and hardware in on_gpu.reason
     assert on_gpu.preset == next(name for name, built_for in catalogs.items() if built_for == hardware)
-    assert app.choose_preset(None, False, hardware, catalogs).preset == "tiny"
-    assert app.choose_preset(None, True, "cpu-basic", catalogs) == app.PresetChoice(
+    assert cli.choose_preset(None, False, hardware, catalogs).preset == "tiny"
+    assert cli.choose_preset(None, True, "cpu-basic", catalogs) == cli.PresetChoice(
         "tiny", "no preset is built for cpu-basic; LORA_PRESET picks one"
     )
-    assert app.choose_preset("sdxl", False, hardware, catalogs) == app.PresetChoice("sdxl", "asked for")
+    assert cli.choose_preset("sdxl", False, hardware, catalogs) == cli.PresetChoice("sdxl", "asked for")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from lora_manager.adapters.reader import AdapterWeights, ModuleLora
 from lora_manager.adapters.sources import hub_cache_files, remove_files
 from lora_manager.adapters.store import AdapterStore
 from lora_manager.bench import skewed
-from lora_manager.testing import levels
+from lora_manager.images import levels
 
 from engine_helpers import (
     assert_same_slots,

@@ -11,9 +11,9 @@ import pytest
 
 from lora_manager import LoraManager
 from lora_manager.errors import RequestError
+from lora_manager.images import levels
 from lora_manager.serving.additions import Additions
 from lora_manager.serving.compare import Row, compare
-from lora_manager.testing import levels
 
 from engine_helpers import ADAPTERS, load_tiny, make_catalog
 from helpers import PROMPT
@@ -60,26 +60,28 @@ def test_a_bad_request_is_refused_before_any_runs(batched):
 
 
 def test_the_tab_compares_only_what_the_visitor_may_use(batched):
-    import app
+    from lora_manager.space import handlers
 
     additions = Additions()
     additions.add("owner", "r16_half", 1)  # as if this visitor had added it
-    space = app.Space(batched, additions)
+    space = handlers.Space(batched, additions)
     owner, stranger = SimpleNamespace(session_hash="owner"), SimpleNamespace(session_hash="stranger")
-    with pytest.raises(app.Refusal, match="Unknown adapter 'r16_half'"):
-        app.compare(space, ["r4_attn", "r16_half"], PROMPT, True, 0, 2, stranger)
-    for ids in ([], "r4_attn", [None], list(ADAPTERS) * 2 + ["x"], [f"a{i}" for i in range(app.COMPARE_MAX + 1)]):
-        with pytest.raises(app.Refusal, match="adapter"):
-            app.compare(space, ids, PROMPT, True, 0, 2, owner)
-    items, markdown = app.compare(space, ["r16_half", "r4_attn", "r16_half"], PROMPT, True, 0, 2, owner)
+    with pytest.raises(handlers.Refusal, match="Unknown adapter 'r16_half'"):
+        handlers.compare(space, ["r4_attn", "r16_half"], PROMPT, True, 0, 2, stranger)
+    for ids in ([], "r4_attn", [None], list(ADAPTERS) * 2 + ["x"], [f"a{i}" for i in range(handlers.COMPARE_MAX + 1)]):
+        with pytest.raises(handlers.Refusal, match="adapter"):
+            handlers.compare(space, ids, PROMPT, True, 0, 2, owner)
+    items, markdown = handlers.compare(space, ["r16_half", "r4_attn", "r16_half"], PROMPT, True, 0, 2, owner)
     assert [caption for _, caption in items] == ["r16_half", "r4_attn"]
     assert "one mixed batch:" in markdown and "one by one:" in markdown
 
 
 def test_the_tab_says_when_the_batch_ran_one_request_per_call(manager):
-    import app
+    from lora_manager.space import handlers
 
-    items, markdown = app.compare(app.Space(manager, Additions()), ["r4_attn", "r7_conv"], PROMPT, False, 0, 2)
+    items, markdown = handlers.compare(
+        handlers.Space(manager, Additions()), ["r4_attn", "r7_conv"], PROMPT, False, 0, 2
+    )
     assert [caption for _, caption in items] == ["r4_attn", "r7_conv"]
     assert "(2 pipeline calls for 2 images, 2 steps each)" in markdown and "not timed twice" in markdown, markdown
     assert "one by one:" not in markdown

@@ -8,7 +8,7 @@ import pytest
 
 from lora_manager import LoraManager
 from lora_manager.bench.loadtest import PROMPTS, Job, cycle_jobs, make_jobs, run_engine, run_naive, solo_references
-from lora_manager.testing import levels
+from lora_manager.images import levels
 
 from engine_helpers import ADAPTERS, load_tiny, make_catalog
 from helpers import PROMPT

@@ -57,10 +57,10 @@ def _pickling_gpu(fn):
 
 def test_app_generate_from_a_forked_child_equals_the_parent(manager, monkeypatch):
     """ZeroGPU runs each `spaces.GPU` call in a process forked from the app after start-up, its arguments pickled."""
-    import app
+    from lora_manager.space import layout
 
-    monkeypatch.setattr(app, "gpu", _pickling_gpu)
-    demo = app.build_demo(manager)
+    monkeypatch.setattr(layout, "gpu", _pickling_gpu)
+    demo = layout.build_demo(manager)
     handler = next(f.fn for f in demo.fns.values() if f.api_name == "generate")
     assert list(inspect.signature(handler).parameters) == [
         "prompt",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lora_manager import LoraManager
-from lora_manager.testing import levels
+from lora_manager.images import levels
 
 from engine_helpers import as_float, load_tiny, make_catalog, run_together
 from helpers import GEN, PROMPT

@@ -14,7 +14,7 @@ import torch
 
 from lora_manager import LoraManager
 from lora_manager.dtypes import resolve_dtype
-from lora_manager.testing import to_8bit
+from lora_manager.images import to_8bit
 
 from engine_helpers import load_tiny, make_catalog, mix_reference
 from helpers import PROMPT

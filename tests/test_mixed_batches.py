@@ -17,7 +17,8 @@ from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.adapters.inspection import BLOCKS, CONV
 from lora_manager.hotswap import batched as batched_module
 from lora_manager.hotswap.batched import GROUP_COST_MACS, MERGE_MAX_WEIGHTS, Merged, row_groups
-from lora_manager.testing import levels, snapshot, write_adapter
+from lora_manager.images import levels
+from lora_manager.testing import snapshot, write_adapter
 
 from engine_helpers import (
     assert_same_slots,

@@ -62,7 +62,7 @@ def stand_in_hub(preset: str, tmp_path: Path) -> dict[str, Repo]:
 
 @pytest.mark.parametrize("preset", list(ARCHITECTURES))
 def test_a_gpu_preset_loads_from_the_hub_in_its_dtype_and_serves_every_adapter(preset, tmp_path, monkeypatch):
-    from app import build_demo
+    from lora_manager.space.layout import build_demo
 
     catalog, _ = load_preset(preset)
     _, _, has_fp16, size = ARCHITECTURES[preset]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_manager import AdapterFormatError, LoraManager, RequestError, UnknownAdapterError
-from lora_manager.testing import levels
+from lora_manager.images import levels
 
 from engine_helpers import (
     assert_same_slots,

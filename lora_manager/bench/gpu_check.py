@@ -32,12 +32,13 @@ from diffusers import DiffusionPipeline
 
 from ..adapters.inspection import ATTENTION, BLOCKS
 from ..engine import LoraManager
+from ..options import APP_MAX_BATCH, APP_SLOTS
 from ..specs import AdapterSpec, Catalog, Result
 from ..testing import write_adapter
 from .mini_pipelines import FLUX_GEN, SDXL_GEN, mini_flux, mini_sdxl
 
 PROMPT = "a red circle on a blue background"
-ENGINE = {"max_batch": 4, "slots": 2}  # as the app runs it
+ENGINE = {"max_batch": APP_MAX_BATCH, "slots": APP_SLOTS}  # as the app runs it
 TIMED = 3  # single requests timed on the engine, and calls on plain diffusers (their median is reported)
 # the mini pipelines' adapters: different ranks, alphas and targets (attention, whole blocks, + text encoder, ff only)
 ADAPTERS = {

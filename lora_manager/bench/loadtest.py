@@ -26,9 +26,9 @@ from pathlib import Path
 
 from ..adapters.sources import resolve
 from ..engine import LoraManager
+from ..images import levels
 from ..openmp import release_idle_threads
 from ..quiet import quiet_loads
-from ..testing import levels
 
 PROMPTS = (
     "a red circle on a blue background",

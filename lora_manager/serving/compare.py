@@ -13,9 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
+from ..images import levels
 from ..request_schema import check_request
 from ..specs import Result
-from ..testing import levels
 from .protocol import Engine
 
 

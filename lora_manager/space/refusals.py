@@ -1,0 +1,101 @@
+"""Refusals: what the caller sent, told apart from a failure of the server, with the HTTP status each route answers.
+
+Gradio's direct route (/gradio_api/run/...) answers every error with HTTP 500; a `Refusal` gets its status from its
+title there (`RefusalStatus`), an error event on the queue and a modal in the UI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gradio as gr
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import JSONResponse
+
+from lora_manager import LoraManagerError
+from lora_manager.errors import EngineClosedError, QueueFullError
+from lora_manager.request_schema import shorten
+
+# Gradio's direct route (/gradio_api/run/...) answers every error with HTTP 500; a Refusal gets its status by title
+REFUSAL_STATUS = {"Invalid request": 422, "Busy": 429}
+
+
+class Refusal(gr.Error):
+    """A request refused for what it asks, with a message that says what to send or when to retry (a 4xx on Gradio's
+    direct route, an error event on its queue, a modal in the UI)."""
+
+    def __init__(self, message: str, title: str = "Invalid request"):
+        super().__init__(message, title=title, print_exception=False)
+
+
+def refusal(error: LoraManagerError) -> gr.Error:
+    """The engine's refusal as the caller sees it: a full queue is busy, a closed engine a failure of the server."""
+    if isinstance(error, EngineClosedError):
+        return gr.Error(str(error))
+    return Refusal(str(error), "Busy" if isinstance(error, QueueFullError) else "Invalid request")
+
+
+class RefusalStatus:
+    """ASGI middleware: on Gradio's direct route, a 500 whose JSON body is a Refusal takes the refusal's 4xx status."""
+
+    DIRECT = ("/gradio_api/run/", "/gradio_api/api/")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(self.DIRECT):
+            return await self.app(scope, receive, send)
+        held: list[dict] = []  # a 500's start and body, until the whole body is read
+
+        async def relay(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 500:
+                held.append(message)
+            elif not held:
+                await send(message)
+            else:
+                held.append(message)
+                if not message.get("more_body"):
+                    body = b"".join(m.get("body", b"") for m in held[1:])
+                    await send({**held[0], "status": _refusal_status(body)})
+                    await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, relay)
+
+
+def _refusal_status(body: bytes) -> int:
+    try:
+        title = json.loads(body).get("title")
+    except (ValueError, AttributeError):
+        return 500
+    return REFUSAL_STATUS.get(title, 500)
+
+
+async def refused_body(request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 for a request body its models refuse, without echoing the values: a NaN or Infinity there
+    (Python's JSON reader takes them) cannot be written back as JSON and made the answer a bare 500."""
+    problems = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in error.errors()]
+    where = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in problems)
+    message = f"The request body is not valid ({where}); send JSON in the documented shape, numbers finite."
+    return JSONResponse({"error": message, "detail": problems}, status_code=422)
+
+
+def text_field(value, name: str, limit: int) -> str:
+    """A UI field as stripped text, refused with the field's name when it is not text or too long."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > limit:
+        raise Refusal(f"{name} must be text of at most {limit} characters, got {shorten(value)}.")
+    return value.strip()
+
+
+def number_field(value, name: str, default: float) -> float:
+    """A UI number as a finite float (`default` when empty), refused with the field's name otherwise."""
+    try:
+        number = float(value) if value is not None else default
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise Refusal(f"{name} must be a number, got {shorten(value)}.")
+    return number
