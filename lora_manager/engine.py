@@ -30,6 +30,7 @@ from .hotswap import compile_cache
 from .hotswap.aot import AotDenoiser, load_denoiser
 from .hotswap.compiling import Compilation
 from .hotswap.residency import Residency
+from .layout import Layout
 from .openmp import release_idle_threads
 from .quiet import quiet_loads
 from .request_schema import Mix, check_request
@@ -88,9 +89,9 @@ class LoraManager:
         zero_gpu: bool = False,
         fuse: bool = True,
     ):
-        resident, compile = _check_layout(pipe.device, slots, max_batch, device_slots, compile, aot_package, zero_gpu)
+        layout, compile = _check_layout(pipe.device, slots, max_batch, device_slots, compile, aot_package, zero_gpu)
         self.startup_s: dict[str, float] = {}  # seconds per start-up phase, in order (from_preset adds the load)
-        self.pipe, self._lock, self.max_batch = pipe, threading.RLock(), max_batch
+        self.pipe, self._lock, self.layout = pipe, threading.RLock(), layout
         self.catalog = catalog or Catalog(name="custom", base_model=getattr(pipe, "name_or_path", "") or "")
         self.catalog_root = Path(catalog_root) if catalog_root else None  # previews and compile bundles live here
         self.base_model, self.model_name = model_names(self.catalog, self.catalog_root)
@@ -107,20 +108,19 @@ class LoraManager:
         with _timed(self.startup_s, "adapter_reads"):
             staged = self.registry.read_catalog(self.catalog.adapters)
         with _timed(self.startup_s, "template"):
-            self._build_template(staged, target_rank, slots, resident, fuse and aot_package is None and not zero_gpu)
+            self._build_template(staged, target_rank, fuse and aot_package is None and not zero_gpu)
             self.scheduler = Scheduler(
-                self._run_batch,
-                self.residency.live,
-                max_queue=max_queue,
-                max_batch=max_batch,
-                capacity=resident,
-                loads=self.registry.loader,
+                self._run_batch, self.residency.live, layout, max_queue=max_queue, loads=self.registry.loader
             )
             self.registry.loader.on_done = self.scheduler.wake
-        generation = {**self.generation_defaults, "max_batch": max_batch}
         fusion = self.residency.fusion
         self.compilation = Compilation(
-            pipe, self.components[self.denoiser_name], self.residency.rows, generation, fusion and fusion.switch
+            pipe,
+            self.components[self.denoiser_name],
+            self.residency.rows,
+            layout,
+            self.generation_defaults,
+            fusion and fusion.switch,
         )
         self.compiled, self.aot = bool(compile), None
         if compile:
@@ -138,8 +138,6 @@ class LoraManager:
         self,
         staged: dict[str, tuple[RegisteredAdapter, AdapterWeights]],
         target_rank,
-        slots: int,
-        resident: int,
         fuse: bool,
     ) -> None:
         """Size the template's rank (the largest catalog adapter's unless given), load it over the union of the
@@ -148,7 +146,7 @@ class LoraManager:
         self.target_rank = target_rank or self.catalog.target_rank or max(ranks, default=8)
         keys = set().union(*(reg.keys for reg, w in staged.values() if w.rank <= self.target_rank))
         keys = keys or attention_keys(self.components[self.denoiser_name], self.denoiser_name)
-        args = (self.target_rank, slots, resident, self.max_batch, self.registry, fuse)
+        args = (self.target_rank, self.layout, self.registry, fuse)
         self.residency = Residency(self.pipe, self.components, keys, *args)
         self.registry.template = Template(self.residency.template_keys, self.target_rank)
         self.registry.admit_catalog(staged)
@@ -355,14 +353,19 @@ class LoraManager:
     @property
     def compile_key(self) -> compile_cache.BundleKey:
         """What this engine's compiled graphs depend on beyond the code: which compile bundle fits it."""
-        slots, modules = len(self.residency.slots), len(self.registry.template.keys)
-        generation = {**self.generation_defaults, "max_batch": self.max_batch}
-        return compile_cache.bundle_key(self.pipe.device, self.dtype, self.target_rank, slots, modules, generation)
+        modules = len(self.registry.template.keys)
+        args = (self.target_rank, self.layout, modules, self.generation_defaults)
+        return compile_cache.bundle_key(self.pipe.device, self.dtype, *args)
 
     @property
     def dtype_name(self) -> str:
         """The pipeline's dtype as users write it ("float16")."""
         return dtype_name(self.dtype)
+
+    @property
+    def max_batch(self) -> int:
+        """How many queued requests one pipeline call runs."""
+        return self.layout.max_batch
 
     @property
     def max_adapters(self) -> int:
@@ -395,33 +398,26 @@ def load_pipeline(
 
 def _check_layout(
     device: torch.device, slots: int, max_batch: int, device_slots: int | None, compile, aot_package, zero_gpu: bool
-) -> tuple[int, bool]:
-    """Check the engine's layout arguments together; returns how many adapters stay resident on the device, and
-    whether to compile (`compile=None`: on CUDA only; see the class docstring for why not on the CPU)."""
-    if slots < 1 or max_batch < 1:
-        raise ValueError(f"slots and max_batch must be at least 1, got {slots} and {max_batch}.")
-    mixed = max_batch > 1
-    if zero_gpu and (mixed or compile):
+) -> tuple[Layout, bool]:
+    """Check the engine's layout arguments together; returns the layout and whether to compile (`compile=None`: on
+    CUDA only; see the class docstring for why not on the CPU)."""
+    layout = Layout.of(slots, max_batch, device_slots)
+    if zero_gpu and (layout.mixed or compile):
         raise ValueError(
             f"On ZeroGPU the engine runs eager with max_batch=1 (got compile={compile}, max_batch="
             f"{max_batch}): torch.compile is unavailable there, and the move to the GPU worker splits "
             "the stacked tensors that mixed batches share."
         )
-    if aot_package is not None and (compile or mixed):
+    if aot_package is not None and (compile or layout.mixed):
         raise ValueError(
             "aot_package replaces torch.compile and serves one request per pipeline call: pass "
             "compile=False and max_batch=1."
-        )
-    resident = device_slots or (max(slots, max_batch) if mixed else slots)
-    if resident < slots or (not mixed and resident != slots):
-        raise ValueError(
-            f"device_slots ({resident}) must be at least slots ({slots}), and differ from it only with max_batch > 1."
         )
     if compile is None:
         compile = aot_package is None and device.type == "cuda" and not zero_gpu
     if compile and (no_compiler := compile_cache.missing_compiler(device)):
         raise LoraManagerError(f"{no_compiler}. Install one, or run eager (compile=False, app: --no-compile).")
-    return resident, bool(compile)
+    return layout, bool(compile)
 
 
 _OPEN: weakref.WeakSet[LoraManager] = weakref.WeakSet()

@@ -4,9 +4,9 @@ A request never sees another request's adapter: the worker swaps only between ge
 prefers those whose adapters are live (no swap), but after `max_consecutive` such runs in a row, or once the oldest
 request has waited `max_wait_s`, it serves the oldest request instead, so no adapter starves.
 
-With `max_batch` > 1 a batch mixes adapters (each row runs its own, see `hotswap/batched.py`): after the head request it
-takes, in arrival order, every queued request with the same generation parameters while the batch's adapters fit in
-the `capacity` device slots.
+In a mixed layout (`Layout.mixed`) a batch mixes adapters (each row runs its own, see `hotswap/batched.py`): after the
+head request it takes, in arrival order, up to `max_batch` queued requests with the same generation parameters while
+the batch's adapters fit in the layout's device slots.
 
 With `loads` (the engine's `adapters/loader.py`), only requests whose adapters are ready (cached, or read in the
 background) are picked: the adapters of the others are read on background threads, oldest request first, while the
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .errors import EngineClosedError, QueueFullError
+from .layout import Layout
 from .openmp import release_idle_threads
 from .request_schema import Mix
 
@@ -99,11 +100,10 @@ class Scheduler:
         self,
         run_batch: Callable[[list[Request]], list[Any]],
         live_adapters: Callable[[], frozenset[str]],
+        layout: Layout | None = None,
         max_queue: int = 64,
         max_consecutive: int = 4,
         max_wait_s: float = 30.0,
-        max_batch: int = 1,
-        capacity: int = 1,
         batch_window_s: float = 0.01,
         loads: Loads | None = None,
     ):
@@ -112,9 +112,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_consecutive = max_consecutive
         self.max_wait_s = max_wait_s
-        self.max_batch = max_batch
-        self.capacity = capacity  # adapters one batch may hold (the engine's device slots)
-        # with max_batch > 1, how long an idle worker waits for a batch to fill once a first request arrives:
+        self.layout = layout or Layout()  # a batch holds at most max_batch requests and device_slots adapters
+        # in mixed batches, how long an idle worker waits for a batch to fill once a first request arrives:
         # clients that send at nearly the same time then share one call instead of a lone first request taking one
         self.batch_window_s = batch_window_s
         self.loads = loads
@@ -195,7 +194,7 @@ class Scheduler:
                 while not self._queue and not self._closed:
                     release_idle_threads()  # idle: its OpenMP threads would slow torch work on other threads
                     self._cond.wait()
-                    if self.max_batch > 1:
+                    if self.layout.mixed:
                         self._fill(time.monotonic() + self.batch_window_s)
                 if self._closed:
                     return
@@ -224,7 +223,9 @@ class Scheduler:
     def _fill(self, deadline: float) -> None:
         """Wait (holding the condition, released while waiting) until the queue holds max_batch requests, the
         deadline passes, or the scheduler closes."""
-        while len(self._queue) < self.max_batch and not self._closed and (left := deadline - time.monotonic()) > 0:
+        while (
+            len(self._queue) < self.layout.max_batch and not self._closed and (left := deadline - time.monotonic()) > 0
+        ):
             self._cond.wait(left)
 
     def _restart_in_child(self) -> None:
@@ -235,7 +236,7 @@ class Scheduler:
 
     def _pick(self) -> list[_Queued]:
         """Choose the next group (caller holds the condition) among the requests whose adapters need no read (none:
-        an empty group): live adapters first, within the fairness bounds. One request at a time (`max_batch` 1) is
+        an empty group): live adapters first, within the fairness bounds. One request per call (not mixed) is
         ready when it needs exactly the live adapters; in mixed batches, when all its adapters are live."""
         now = time.monotonic()
         queue = sorted(self._queue, key=lambda q: q.order)
@@ -248,23 +249,23 @@ class Scheduler:
                 return []
         oldest = queue[0]
         live = self.live_adapters()
-        ready = (lambda ids: ids == live) if self.max_batch == 1 else (lambda ids: ids <= live)
+        ready = (lambda ids: ids <= live) if self.layout.mixed else (lambda ids: ids == live)
         same = [q for q in queue if ready(q.request.adapter_ids)]
         fair = self._streak < self.max_consecutive and now - oldest.enqueued < self.max_wait_s
         head = same[0] if same and fair else oldest
         key = head.request.batch_key()
         group, adapters = [head], set(head.request.adapter_ids)
         for q in queue if key is not None else ():
-            if len(group) == self.max_batch:
+            if len(group) == self.layout.max_batch:
                 break
-            fits = len(adapters | q.request.adapter_ids) <= self.capacity
+            fits = len(adapters | q.request.adapter_ids) <= self.layout.device_slots
             if q is not head and q.request.batch_key() == key and fits:
                 group.append(q)
                 adapters |= q.request.adapter_ids
         for q in group:
             self._queue.remove(q)
         self._streak = self._streak + 1 if ready(head.request.adapter_ids) else 1
-        swaps = not adapters <= live if self.max_batch > 1 else head.request.adapter_ids != live
+        swaps = not adapters <= live if self.layout.mixed else head.request.adapter_ids != live
         self.stats.adapter_changes += swaps
         return group
 

@@ -20,6 +20,7 @@ import torch
 from lora_manager import LoraManager
 from lora_manager.errors import LoraManagerError
 from lora_manager.hotswap import compile_cache
+from lora_manager.layout import Layout
 
 from helpers import PROMPT, ROOT
 
@@ -28,6 +29,7 @@ SHOWN = (None, "frame", "pixel")  # the adapters each start draws, with seed 3 a
 SERVE = """
 import json, sys, numpy as np
 from lora_manager import LoraManager
+from lora_manager.layout import Layout
 m = LoraManager.from_preset(sys.argv[1], compile=True, slots=2)
 images = [np.asarray(m.generate(PROMPT, adapter=a, seed=3, steps=3).image).tolist() for a in SHOWN]
 print(json.dumps({"stats": m.stats(), "images": images}))
@@ -102,7 +104,7 @@ def test_a_bundle_starts_a_fresh_process_compiled_without_compiling(tmp_path):
 
 
 def test_a_bundle_for_another_machine_is_skipped_with_the_reason(tmp_path):
-    key = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 32, 2, 100, {"height": 64})
+    key = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 32, Layout(2, 2), 100, {"height": 64})
     assert "version" in key.toolchain  # the compiler's own version text: another gcc builds other kernels
     assert key.threads == torch.get_num_threads()  # inductor's graph keys hold the kernels' thread count
     other = compile_cache.BundleKey(
@@ -148,7 +150,7 @@ def test_startbench_starts_the_app_eager_and_from_the_shipped_bundle_without_com
     compiled `app.py`, each on empty torch caches. The tiny preset ships a bundle per CPU kind (AVX512, AVX2), each
     built in another virtual environment than the one running this test (the CI builds its own): every graph and every
     C++ kernel of the compiled start must come from the one that fits this CPU."""
-    here = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 0, 0, 0, {})
+    here = compile_cache.bundle_key(torch.device("cpu"), torch.float32, 0, Layout(), 0, {})
     machine = ("torch", "capability", "toolchain", "machine")
     shipped = {}
     for path in sorted((TINY / compile_cache.FOLDER).glob("*.tar.gz")):

@@ -10,6 +10,7 @@ import pytest
 
 from lora_manager.adapters.loader import AdapterLoader
 from lora_manager.errors import QueueFullError
+from lora_manager.layout import Layout
 from lora_manager.scheduler import Request, Scheduler
 
 pytestmark = pytest.mark.unit
@@ -68,7 +69,7 @@ def test_full_queue_answers_busy_at_once():
 
 def test_scheduler_mixes_adapters_within_max_batch_device_slots_and_equal_params():
     gate = threading.Event()
-    s, batches = gated_scheduler(gate, max_batch=3, capacity=2)
+    s, batches = gated_scheduler(gate, layout=Layout.of(max_batch=3, device_slots=2))
     s.submit(Request("p", (("a", 1.0),), 0))
     time.sleep(0.05)  # the worker now holds request 0 at the gate
     arrivals = [("b", {}), ("c", {}), ("d", {}), ("a", {"num_inference_steps": 3}), ("a", {}), ("e", {})]
@@ -83,7 +84,7 @@ def test_scheduler_mixes_adapters_within_max_batch_device_slots_and_equal_params
 
 def test_scheduler_fairness_holds_with_mixed_batches():
     gate = threading.Event()
-    s, batches = gated_scheduler(gate, max_batch=2, capacity=2, max_consecutive=2)
+    s, batches = gated_scheduler(gate, layout=Layout.of(max_batch=2), max_consecutive=2)
     s.submit(Request("p", (("a", 1.0),), 0))
     time.sleep(0.05)
     futures = [s.submit(Request("p", (("z", 1.0),), 1, {"num_inference_steps": 3}))]  # shares a batch with nobody
@@ -119,7 +120,7 @@ def loading_scheduler(resident: set[str], **kw) -> tuple[Scheduler, dict[str, th
 
 @pytest.mark.parametrize("max_batch", [1, 4])
 def test_a_request_whose_adapter_is_read_does_not_hold_up_resident_ones(max_batch):
-    s, gates, batches = loading_scheduler({"a", "b"}, max_batch=max_batch, capacity=max_batch)
+    s, gates, batches = loading_scheduler({"a", "b"}, layout=Layout.of(max_batch=max_batch))
     slow = s.submit(Request("p", (("slow", 1.0),), 0))
     served = [s.submit(Request("p", ((x, 1.0),), i)).result(timeout=5) for i, x in enumerate("abab", start=1)]
     assert served == [1, 2, 3, 4] and not slow.done()  # the resident ones ran while "slow" was being read

@@ -34,6 +34,8 @@ from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.utils import parallel_num_threads
 
+from ..layout import Layout
+
 log = logging.getLogger(__name__)
 
 FOLDER = "compiled"  # inside a preset's folder
@@ -68,7 +70,7 @@ class BundleKey:
 
 
 def bundle_key(
-    device: torch.device, dtype: torch.dtype, target_rank: int, slots: int, template_modules: int, generation: dict
+    device: torch.device, dtype: torch.dtype, target_rank: int, layout: Layout, template_modules: int, generation: dict
 ) -> BundleKey:
     if device.type == "cuda":
         name, capability = torch.cuda.get_device_name(device), ".".join(map(str, torch.cuda.get_device_capability()))
@@ -89,9 +91,9 @@ def bundle_key(
         machine=platform.machine(),
         dtype=str(dtype).removeprefix("torch."),
         target_rank=target_rank,
-        slots=slots,
+        slots=layout.device_slots,
         template_modules=template_modules,
-        generation=json.dumps(generation, sort_keys=True),
+        generation=json.dumps({**generation, "max_batch": layout.max_batch}, sort_keys=True),
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from ..layout import Layout
 from . import compile_cache
 from .batched import BatchRows
 from .fusion import FusionSwitch
@@ -30,11 +31,12 @@ class Compilation:
         pipe,
         denoiser: torch.nn.Module,
         rows: BatchRows | None,
+        layout: Layout,
         generation: dict[str, Any],
         fusion: FusionSwitch | None = None,
     ):
         self._pipe, self._denoiser, self._rows, self._fusion = pipe, denoiser, rows, fusion
-        self._generation = generation  # the catalog's pipeline defaults, with `max_batch`
+        self.layout, self._generation = layout, generation  # the generation: the catalog's pipeline defaults
         self.source = "eager"
         self.compile_s: float | None = None
         self.cache_counts = (0, 0)  # inductor FX graph cache (hits, misses) while this engine compiled
@@ -52,10 +54,6 @@ class Compilation:
             "compile_built_kernels": self.built_kernels,
             "recompiles": self.recompiles,
         }
-
-    @property
-    def max_batch(self) -> int:
-        return self._generation["max_batch"]
 
     def compile(
         self,
@@ -79,7 +77,7 @@ class Compilation:
         # one whole graph: a graph break would run part of the step eager and cut it out of CUDA graphs
         compile_denoiser(self._denoiser, **{"fullgraph": True, **kwargs})
         # batch sizes 1..B share one graph, dynamic in the batch dimension (unless the caller chose `dynamic`)
-        batch_dim = BATCH_DIM if self.max_batch > 1 and "dynamic" not in kwargs else ""
+        batch_dim = BATCH_DIM if self.layout.mixed and "dynamic" not in kwargs else ""
         with torch.compiler.config.patch(dynamic_sources=batch_dim), torch._inductor.config.patch(self._cpu_patch()):
             self._warm_up(phases)
         self.cache_counts = tuple(n - b for n, b in zip(compile_cache.cache_counts(), before, strict=True))
@@ -97,7 +95,7 @@ class Compilation:
         """Inductor settings for this compile: on the CPU, a half-precision graph for mixed batches is vectorized at
         256 bits, since torch 2.13's 512-bit half-precision kernels for it give NaN on CPUs with AVX512-FP16."""
         half = self._denoiser.dtype in (torch.float16, torch.bfloat16)
-        cpu_mixed_half = self._denoiser.device.type == "cpu" and half and self.max_batch > 1
+        cpu_mixed_half = self._denoiser.device.type == "cpu" and half and self.layout.mixed
         return {"cpp.simdlen": 256} if cpu_mixed_half else {}
 
     def _warm_up(self, phases: dict[str, float]) -> None:
@@ -105,14 +103,14 @@ class Compilation:
         weights alone, so no request pays for compiling (nor recompiles): the first compiles the graph (phase
         "compile": dynamo's trace, then inductor's compile or its cache entries); each other size checks that it
         fits, and on CUDA records its graphs; the fused forward is its own graph ("warm_up")."""
-        defaults = {k: v for k, v in self._generation.items() if k not in ("num_inference_steps", "max_batch")}
+        defaults = {k: v for k, v in self._generation.items() if k != "num_inference_steps"}
         seconds = []
         for fused in (False, True) if self._fusion is not None else (False,):
             if self._fusion is not None:
                 self._fusion.on = fused  # the base weights are pristine: nothing is merged yet
-            for size in range(1, self.max_batch + 1):
+            for size in range(1, self.layout.max_batch + 1):
                 t0 = time.perf_counter()
-                if self._rows is not None:
+                if self._rows is not None:  # mixed: every row of the warm-up runs no adapter
                     self._rows.write([[] for _ in range(size)])
                 prompt = "warm-up" if size == 1 else ["warm-up"] * size
                 generators = [torch.Generator("cpu").manual_seed(0) for _ in range(size)]

@@ -1,7 +1,7 @@
 """What the device holds: which adapter each device slot's template tensors carry, and the one transactional step
 that makes a batch's adapters resident (or, for an adapter refused on its way in, changes nothing for it).
 
-Two layouts share that step. Without mixed batches (`rows` is None) a request's adapters fill the first slots, in
+Two layouts share that step (`Layout.mixed`). Without mixed batches a request's adapters fill the first slots, in
 the order of their ids, each at its strength (`plan.assign_slots`), and every other slot is emptied. With mixed
 batches every row of a pipeline call picks its own device slots (`batched.BatchRows`): the batch's adapters become
 resident beside those already there (`plan.resident`), and each row's picks and strengths are written after.
@@ -18,6 +18,7 @@ import torch
 
 from ..adapters.reader import AdapterWeights
 from ..adapters.registry import AdapterRegistry
+from ..layout import Layout
 from ..request_schema import Mix
 from .batched import BatchRows
 from .fusion import Fusion, Picks, unsupported
@@ -54,21 +55,20 @@ class Residency:
         components: dict[str, torch.nn.Module],
         keys: set[tuple[str, str]],
         rank: int,
-        mix_slots: int,
-        device_slots: int,
-        max_batch: int,
+        layout: Layout,
         registry: AdapterRegistry,
         fuse: bool = True,
     ):
-        self.rows = BatchRows(max_batch, mix_slots, pipe.device) if max_batch > 1 else None
-        self.slots = prepare_template(pipe, components, keys, rank, device_slots, self.rows)  # every device slot
-        self.mix_slots = self.slots[:mix_slots]  # the slots one request's adapters combine in
-        self.holding: list[str | None] = [None] * device_slots  # the adapter id each device slot holds
+        self.layout = layout
+        self.rows = BatchRows(layout.max_batch, layout.mix_slots, pipe.device) if layout.mixed else None
+        self.slots = prepare_template(pipe, components, keys, rank, layout.device_slots, self.rows)  # every device slot
+        self.mix_slots = self.slots[: layout.mix_slots]  # the slots one request's adapters combine in
+        self.holding: list[str | None] = [None] * layout.device_slots  # the adapter id each device slot holds
         self.swap_ms: list[float] = []
         self._device = pipe.device
         self._store, self._fetch = registry.store, registry.weights
-        mixed_on_cuda = self.rows is not None and pipe.device.type == "cuda"
-        self._prefetch = DevicePrefetch(pipe.device, device_slots) if mixed_on_cuda else None
+        mixed_on_cuda = layout.mixed and pipe.device.type == "cuda"
+        self._prefetch = DevicePrefetch(pipe.device, layout.device_slots) if mixed_on_cuda else None
         # a call whose rows all run the same adapters runs them merged into the base weights (`fusion`)
         layers = {k: components[k[0]].get_submodule(k[1]) for k in self.slots[0].modules}
         self.unfused = "turned off (fuse=False)" if not fuse else unsupported(layers)
@@ -116,7 +116,7 @@ class Residency:
             self._unpin((before | fetched.keys()) - self.live())
             raise
         self._unpin((before | fetched.keys()) - set(targets))
-        if self.rows is not None:
+        if self.layout.mixed:
             self._write_rows(runnable, wanted)
         if self.fusion is not None and runnable:
             self.fusion.run(self._fused_picks(runnable))
@@ -129,11 +129,11 @@ class Residency:
         if len(mixes) > 1:
             return None
         slot_of = {a: i for i, a in enumerate(self.holding) if a is not None}
-        return tuple((slot_of[a], 1.0 if self.rows is None else s) for a, s in mixes.pop())
+        return tuple((slot_of[a], s if self.layout.mixed else 1.0) for a, s in mixes.pop())
 
     def _plan(self, runnable: list[Mix], wanted: list[str]) -> tuple[list[str | None], dict[str, float]]:
         """The adapter each device slot should hold, and the strength each loads at."""
-        if self.rows is None:  # one request: exactly its adapters in the first slots, each at its strength
+        if not self.layout.mixed:  # one request: exactly its adapters in the first slots, each at its strength
             strengths = dict(runnable[0]) if runnable else {}
             return (assign_slots(self.holding, list(strengths)) if runnable else list(self.holding)), strengths
         targets = plan_resident(self.holding, wanted, self._last_used)  # rows pick slots: loads at strength 1
