@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-queued",
         type=int,
         default=64,
-        help="images queued beyond what the replicas run at once; more are refused with 429/503 and Retry-After",
+        help="images queued beyond what the replicas run at once; more are refused with 429 and Retry-After",
     )
     srv.set_defaults(func=cmd_serve)
 

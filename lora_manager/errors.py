@@ -47,9 +47,21 @@ class RequestError(LoraManagerError):
         self.field = field
 
 
+class NotFoundError(RequestError):
+    """A request names a model or adapter that does not exist; `field` names where."""
+
+
+class BodyTooLargeError(RequestError):
+    """A request body over the server's limit, refused before it is parsed."""
+
+
 class QueueFullError(LoraManagerError):
     """The request queue is full: the server is busy and the client should retry."""
 
 
 class EngineClosedError(LoraManagerError):
     """The engine was closed: it serves no more requests."""
+
+
+class ReplicasLostError(LoraManagerError):
+    """Every replica tried for a request died under it."""

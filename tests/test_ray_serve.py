@@ -126,9 +126,9 @@ def test_openai_client_lists_adapters_and_generates_the_engines_images(openai_cl
         assert np.abs(got - np.asarray(solo, dtype=int)).max() <= 1, f"image {i} (seed {3 + i})"
     refusals = [
         (openai.NotFoundError, "model", {"model": "no-such-adapter"}),
-        (openai.BadRequestError, "size", {"model": adapter, "size": "63x64"}),
-        (openai.BadRequestError, "response_format", {"model": adapter, "response_format": "url"}),
-        (openai.BadRequestError, "steps", {"model": adapter, "extra_body": {"steps": 0}}),
+        (openai.UnprocessableEntityError, "size", {"model": adapter, "size": "63x64"}),
+        (openai.UnprocessableEntityError, "response_format", {"model": adapter, "response_format": "url"}),
+        (openai.UnprocessableEntityError, "steps", {"model": adapter, "extra_body": {"steps": 0}}),
     ]
     for kind, param, kwargs in refusals:
         with pytest.raises(kind) as refused:

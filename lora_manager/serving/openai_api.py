@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import NotFoundError, RequestError
 from ..request_schema import SEED, GenerateRequest, check_number, check_request, shorten
 
 MAX_IMAGES = 10  # `n`, as OpenAI's own image models allow
@@ -21,10 +21,6 @@ GUIDANCE = (0.0, 50.0)
 OPENAI_FIELDS = ("model", "prompt", "n", "size", "response_format", "output_format", "user")
 EXTRA_FIELDS = ("seed", "steps", "strength", "guidance_scale", "adapters")
 SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
-
-
-class NotFoundError(RequestError):
-    """An unknown `model`: answered with 404."""
 
 
 @dataclass(frozen=True)

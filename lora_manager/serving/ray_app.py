@@ -3,12 +3,13 @@
     python -m lora_manager serve --replicas 2 [--preset tiny] [--port 8000] [--routing affinity|default]
 
 `POST /v1/images/generations` and `GET /v1/models` speak the OpenAI Images API (`openai_api.py`; errors in its
-shape, 429 with `Retry-After` past `max_queued`), `GET /metrics` the Prometheus text format (`metrics.py`).
+shape, the same statuses), `GET /metrics` the Prometheus text format (`metrics.py`).
 `POST /generate` takes JSON {"prompt", "adapter", "strength", "seed", "steps"} and answers {"image_png_base64",
 "info"} (info as in `Result.info`, plus the replica that served it). A refused request gets a 4xx with
 {"error": message, "field": the field at fault or null} (the engine's request schema, checked before anything is
-queued; a body over `MAX_BODY_BYTES` gets 413), a busy server 503, a real fault 500 with a plain message. Adapter
-ids are Ray Serve's multiplexed model ids and each replica's CPU store is its adapter cache. Routing:
+queued), with the status of `statuses.py` that every route shares: 422 a bad field, 404 an unknown adapter, 413 a
+body over `MAX_BODY_BYTES`, 429 busy (with `Retry-After`), 503 no replica left, 500 a fault with a plain message.
+Adapter ids are Ray Serve's multiplexed model ids and each replica's CPU store is its adapter cache. Routing:
 
 - `default`: Ray Serve's own multiplexed routing (power of two choices among replicas that hold the id);
 - `affinity`: `AdapterAffinityRouter`: the least busy replica, and among equally busy ones the replica where the
@@ -37,12 +38,20 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from ..errors import LoraManagerError, QueueFullError, RequestError, UnknownAdapterError
+from ..errors import (
+    BodyTooLargeError,
+    LoraManagerError,
+    QueueFullError,
+    ReplicasLostError,
+    RequestError,
+    UnknownAdapterError,
+)
 from ..request_schema import FIELDS, MAX_BODY_BYTES, check_request, shorten
 from .metrics import ServeMetrics, replica_state
-from .openai_api import NotFoundError, Pipeline, error_body, models_list, parse_images_request
+from .openai_api import Pipeline, error_body, models_list, parse_images_request
 from .protocol import answer_body, request_body
 from .routing import rank_by_affinity
+from .statuses import RETRY, error_of, status_of
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +68,9 @@ def refusal(status: int, message: str, field: str | None = None) -> JSONResponse
 
 def error_answer(e: LoraManagerError) -> dict[str, Any]:
     """An engine refusal as data, so it crosses Ray without a traceback."""
-    status = 503 if isinstance(e, QueueFullError) else 400
+    status = status_of(e)
     field = getattr(e, "field", None) or ("adapter" if isinstance(e, UnknownAdapterError) else None)
     return {"error": str(e), "field": field, "status": status}
-
-
-class BodyTooLargeError(RequestError):
-    """Answered with 413."""
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -104,7 +109,7 @@ def openai_refusal(status: int, message: str, param: str | None, retry_after: in
 
 
 class ServerBusyError(QueueFullError):
-    """More images in flight than the ingress admits: answered with 429 (OpenAI routes) or 503 (`/generate`)."""
+    """More images in flight than the ingress admits: answered with 429 and `Retry-After`."""
 
 
 class AdapterAffinityRouter(FIFOMixin, RequestRouter):
@@ -148,26 +153,6 @@ def accepted_size(manager) -> dict[str, Any]:
         "multiple": scale,
         "fixed": bool(manager.compiled),
     }
-
-
-class ReplicasLostError(LoraManagerError):
-    """Every attempt's replica died: answered with 503."""
-
-
-def generate_status(e: LoraManagerError) -> int:
-    """`/generate`'s status for a refusal: 413 too large, 503 busy, 400 a bad request, 500 a fault."""
-    if isinstance(e, BodyTooLargeError):
-        return 413
-    if isinstance(e, (QueueFullError, ReplicasLostError)):
-        return 503
-    return 400 if isinstance(e, RequestError) else 500
-
-
-def openai_status(e: LoraManagerError) -> int:
-    """The OpenAI routes' status: as `/generate`'s, but 404 for an unknown model and 429 for a full queue."""
-    if isinstance(e, NotFoundError):
-        return 404
-    return 429 if isinstance(e, QueueFullError) else generate_status(e)
 
 
 def outcome(status: int) -> str:
@@ -249,7 +234,7 @@ class LoraReplica:
 @serve.ingress(api)
 class Ingress:
     """HTTP front: validates the body, tags the call with its adapter, retries when a replica dies, counts metrics.
-    Admits up to `max_images` images in flight (the replicas' capacity plus a queue); more answer 429/503."""
+    Admits up to `max_images` images in flight (the replicas' capacity plus a queue); more answer 429."""
 
     def __init__(self, replicas: DeploymentHandle, max_images: int = 64):
         self.replicas = replicas
@@ -274,7 +259,8 @@ class Ingress:
         return max(1, math.ceil(statistics.median(self.latencies))) if self.latencies else 1
 
     async def run(self, body: dict[str, Any], adapter: str) -> dict[str, Any]:
-        """One image on a replica: its answer, retried when the replica dies; RequestError or LoraManagerError."""
+        """One image on a replica: its answer, retried when the replica dies; a refusal raises the error its status
+        stands for (`statuses.error_of`)."""
         handle = self.replicas.options(multiplexed_model_id=adapter)
         for attempt in range(1, RETRIES + 1):
             try:
@@ -286,8 +272,7 @@ class Ingress:
                 log.exception("replica failed on a request")
                 raise LoraManagerError(f"the server failed on this request ({type(e).__name__}); it is logged.") from e
             if "error" in answer:
-                error = QueueFullError if answer["status"] == 503 else RequestError
-                raise error(answer["error"]) if error is QueueFullError else error(answer["error"], answer["field"])
+                raise error_of(answer["status"], answer["error"], answer["field"])
             self.metrics.observe_answer(answer["info"], answer.pop("replica_state", None))
             answer["info"]["attempts"] = attempt
             return answer
@@ -322,9 +307,9 @@ class Ingress:
             label = await self.adapter_label(req.adapters)
             [answer] = await self.run_all([body], req.adapters[0][0] if req.adapters else "")
         except LoraManagerError as e:
-            status = generate_status(e)
+            status = status_of(e)
             self.count("/generate", label, outcome(status), t0)
-            headers = {"Retry-After": str(self.retry_after())} if status == 503 else None
+            headers = {"Retry-After": str(self.retry_after())} if status in RETRY else None
             response = refusal(status, str(e), getattr(e, "field", None))
             response.headers.update(headers or {})
             return response
@@ -356,9 +341,9 @@ class Ingress:
             first = req.request.adapters[0][0] if req.request.adapters else ""
             answers = await self.run_all(req.bodies(), first)
         except LoraManagerError as e:
-            status = openai_status(e)
+            status = status_of(e)
             self.count("/v1/images/generations", label, outcome(status), t0)
-            retry = self.retry_after() if status == 429 else None
+            retry = self.retry_after() if status in RETRY else None
             param = getattr(e, "field", None)  # a fault of the whole body names no parameter, as OpenAI's own API
             return openai_refusal(status, str(e), None if param == "body" else param, retry)
         self.count("/v1/images/generations", label, "success", t0)
@@ -403,7 +388,7 @@ def build_app(
     `max_batch` requests in one pipeline call whatever their adapters, so it accepts that many at once
     (`max_ongoing_requests`, default max(2, max_batch)). `dtype`: as `LoraManager.from_preset` takes it (default: the
     preset's on CUDA, float32 on the CPU). The ingress admits as many images as the replicas run at once plus
-    `max_queued`; it refuses more with 429 (OpenAI routes) or 503 (`/generate`) and `Retry-After`."""
+    `max_queued`; it refuses more with 429 and `Retry-After`."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     options: dict[str, Any] = {

@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 
 from ..adapters.catalog import load_preset, resolve_base_model
-from ..errors import LoraManagerError, RequestError
+from ..errors import LoraManagerError
 from ..specs import AdapterInfo, AdapterSpec, Result
 from .protocol import answer_image, request_body
+from .statuses import error_of
 
 TIMEOUT_S = 600
 
@@ -83,7 +84,8 @@ class RemoteManager:
         return self._call("GET", path)
 
     def _call(self, method: str, path: str, **kwargs) -> Any:
-        """One HTTP call; refusals (4xx, {"error", "field"}) come back as RequestError, anything else as one line."""
+        """One HTTP call; an error answer ({"error", "field"}) comes back as the error its status stands for
+        (`statuses.error_of`), anything else as one line."""
         try:
             r = httpx.request(method, f"{self.url}{path}", timeout=TIMEOUT_S, **kwargs)
         except httpx.HTTPError as e:
@@ -94,5 +96,5 @@ class RemoteManager:
                 message, field = str(error["error"]), error.get("field")
             except (ValueError, KeyError, TypeError):
                 raise LoraManagerError(f"Ray Serve deployment at {self.url}: HTTP {r.status_code} on {path}.") from None
-            raise (RequestError(message, field=field) if 400 <= r.status_code < 500 else LoraManagerError(message))
+            raise error_of(r.status_code, message, field)
         return r.json()

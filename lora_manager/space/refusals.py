@@ -14,30 +14,31 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 
 from lora_manager import LoraManagerError
-from lora_manager.errors import EngineClosedError, QueueFullError
 from lora_manager.request_schema import shorten
+from lora_manager.serving.statuses import status_of
 
-# Gradio's direct route (/gradio_api/run/...) answers every error with HTTP 500; a Refusal gets its status by title
-REFUSAL_STATUS = {"Invalid request": 422, "Busy": 429}
+# A refusal's title by its status (`serving/statuses.py`, shared by every route); Gradio's direct route
+# (/gradio_api/run/...) answers every error with HTTP 500, and `RefusalStatus` gives it back its status by this title
+TITLES = {422: "Invalid request", 404: "Not found", 413: "Too large", 429: "Busy", 503: "Unavailable"}
+REFUSAL_STATUS = {title: status for status, title in TITLES.items()}
 
 
 class Refusal(gr.Error):
-    """A request refused for what it asks, with a message that says what to send or when to retry (a 4xx on Gradio's
-    direct route, an error event on its queue, a modal in the UI)."""
+    """A request refused for what it asks or while the server cannot serve it, with a message that says what to send
+    or when to retry (its status on Gradio's direct route, an error event on its queue, a modal in the UI)."""
 
     def __init__(self, message: str, title: str = "Invalid request"):
         super().__init__(message, title=title, print_exception=False)
 
 
 def refusal(error: LoraManagerError) -> gr.Error:
-    """The engine's refusal as the caller sees it: a full queue is busy, a closed engine a failure of the server."""
-    if isinstance(error, EngineClosedError):
-        return gr.Error(str(error))
-    return Refusal(str(error), "Busy" if isinstance(error, QueueFullError) else "Invalid request")
+    """The engine's error as the caller sees it, with the status every route gives it; a fault stays a 500."""
+    status = status_of(error)
+    return Refusal(str(error), TITLES[status]) if status in TITLES else gr.Error(str(error))
 
 
 class RefusalStatus:
-    """ASGI middleware: on Gradio's direct route, a 500 whose JSON body is a Refusal takes the refusal's 4xx status."""
+    """ASGI middleware: on Gradio's direct route, a 500 whose JSON body is a Refusal takes the refusal's status."""
 
     DIRECT = ("/gradio_api/run/", "/gradio_api/api/")
 
