@@ -130,3 +130,22 @@ def test_skewtest_counts_are_consistent(skew_run):
     # every adapter swapped onto the device was looked up in the CPU cache; a cache at 60% of the bytes misses some
     assert skewed["cache_hits"] + skewed["cache_misses"] >= skewed["swaps"] >= 1
     assert skewed["cache_misses"] >= 1
+
+
+@pytest.mark.slow
+def test_real_width_bench_runs_every_row_on_one_pipeline_and_writes_its_ratios(tmp_path):
+    """`bench --real-width`'s rows and report, on a small pipeline of SDXL's layout (the real width takes 10 GB)."""
+    from lora_manager.bench import real_width
+    from lora_manager.bench.mini_pipelines import mini_sdxl
+
+    out = tmp_path / "real_width.json"
+    report = real_width.run(
+        "sdxl", "cpu", torch.float32, 8, 1, 4, 2, False, out, build=lambda dtype, device: mini_sdxl(0, dtype, device)
+    )
+    written = json.loads(out.read_text())
+    names = {"plain diffusers, one LoRA", "plain diffusers, fused", "pipeline direct, merged"}
+    names |= {f"engine, {row}" for row in ("no adapter", "one adapter", "ranks 8/4/16/64", "four rank-8")}
+    assert set(written["rows"]) == names and all(len(r["ms_per_image"]) == 2 for r in written["rows"].values())
+    assert all(t > 0 for r in written["rows"].values() for t in r["ms_per_image"])
+    assert set(written["ratios"]) == set(report.ratios) and len(report.ratios) == 6 and written["recompiles"] == 0
+    assert "engine one adapter / pipeline direct, merged" in real_width.table(report)

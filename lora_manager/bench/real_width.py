@@ -8,6 +8,8 @@ rows, ms per image over batches of `--batch` requests under classifier-free guid
 - then, on the same pipeline, the engine (`max_batch` = the batch): no adapter; every request for the one adapter;
   requests for four adapters of ranks 8/4/16/64 (the rank-16 one on attention and feed-forward, the others on
   attention); requests for four rank-8 attention adapters. Interleaved, every round; all adapters stay on the device.
+  Right after the one-adapter call, while the engine holds that adapter merged into the weights, the same pipeline is
+  called directly (`pipeline direct, merged`, eager only): what the engine's queue, batching and worker thread cost.
 
 A row's figure is the median over rounds of its pipeline call's time per image; each round prints as it finishes.
 """
@@ -19,6 +21,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -76,6 +79,7 @@ class Report:
             "engine one adapter / fused": ("engine, one adapter", "plain diffusers, fused"),
             "engine one adapter / plain diffusers": ("engine, one adapter", "plain diffusers, one LoRA"),
             "engine one adapter / engine no adapter": ("engine, one adapter", "engine, no adapter"),
+            "engine one adapter / pipeline direct, merged": ("engine, one adapter", "pipeline direct, merged"),
             "engine mixed ranks / engine one adapter": ("engine, ranks 8/4/16/64", "engine, one adapter"),
             "engine same-rank mix / engine one adapter": ("engine, four rank-8", "engine, one adapter"),
         }
@@ -171,9 +175,28 @@ def _engine_ms(m: LoraManager, adapters: list[str | None], settings: dict) -> fl
     return results[0].info["generate_ms"] / len(adapters)
 
 
+def _merged_ms(m: LoraManager, batch: int, settings: dict, device: str) -> float:
+    """The engine's pipeline called directly, with the adapter of the engine's last call still merged into its
+    weights: the fused model as the engine holds it, without the queue and worker."""
+    if not m.stats()["fused"]:
+        raise RuntimeError("the one-adapter call did not run merged (fuse=False, or the merge failed)")
+    return _plain_ms(m.pipe, batch, settings, device)
+
+
 def run(
-    model: str, device: str, dtype: torch.dtype, latent: int, steps: int, batch: int, rounds: int, compile: bool, out
+    model: str,
+    device: str,
+    dtype: torch.dtype,
+    latent: int,
+    steps: int,
+    batch: int,
+    rounds: int,
+    compile: bool,
+    out,
+    build: Callable[[torch.dtype, str], StableDiffusionXLPipeline] = real_sdxl,
 ) -> Report:
+    """The rows above, each round printed as it finishes and `out` (a JSON path) rewritten; `build` makes the pipeline
+    (SDXL at real width; the tests pass a small one of the same layout)."""
     if model != "sdxl":
         raise SystemExit(f"--real-width {model}: only sdxl is built here")
     settings = _settings(latent, steps)
@@ -185,7 +208,7 @@ def run(
             Path(out).write_text(json.dumps(asdict(report), indent=2))
 
     t0 = time.perf_counter()
-    pipe = real_sdxl(dtype, device)
+    pipe = build(dtype, device)
     params = sum(p.numel() for p in pipe.unet.parameters()) / 1e9
     say(f"built SDXL at real width in {time.perf_counter() - t0:.0f} s: {params:.2f} G UNet parameters")
     with tempfile.TemporaryDirectory() as folder:
@@ -217,7 +240,10 @@ def run(
             for r in range(rounds):
                 for name, adapters in rows.items():
                     report.add(name, _engine_ms(m, adapters, settings))
-                say(f"round {r + 1}: " + ", ".join(f"{k} {report.rows[k].ms_per_image[-1]:.0f}" for k in rows))
+                    if name == "engine, one adapter" and not compile:
+                        report.add("pipeline direct, merged", _merged_ms(m, batch, settings, device))
+                timed = [k for k in report.rows if k in rows or k == "pipeline direct, merged"]
+                say(f"round {r + 1}: " + ", ".join(f"{k} {report.rows[k].ms_per_image[-1]:.0f}" for k in timed))
         report.recompiles = m.recompiles
         m.close()
     report.finish()
