@@ -16,7 +16,9 @@ from torch._dynamo.utils import counters
 from lora_manager import AdapterFormatError, LoraManager
 from lora_manager.adapters.inspection import BLOCKS, CONV
 from lora_manager.hotswap import batched as batched_module
-from lora_manager.hotswap.batched import GROUP_COST_MACS, MERGE_MAX_WEIGHTS, Merged, row_groups
+from lora_manager.hotswap import merged as merged_module
+from lora_manager.hotswap.groups import GROUP_COST_MACS, row_groups
+from lora_manager.hotswap.merged import MERGE_MAX_WEIGHTS, Merged
 from lora_manager.images import levels
 from lora_manager.testing import snapshot, write_adapter
 
@@ -208,7 +210,7 @@ def test_each_row_computes_at_its_own_rank_and_equals_plain_diffusers_alone(
             super().__init__(*args, **kwargs)
             merged.append(self.how)
 
-    monkeypatch.setattr(batched_module, "Merged", Recorded)
+    monkeypatch.setattr(merged_module, "Merged", Recorded)
     requests = [(mix, 20 + i, PROMPTS[i % 3]) for i, mix in enumerate(batch)]
     results = run_together(m, requests)
     assert [r.info["batch_size"] for r in results] == [4] * 4

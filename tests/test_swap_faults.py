@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_manager import LoraManager
-from lora_manager.hotswap.batched import MERGE_MAX_WEIGHTS
+from lora_manager.hotswap.merged import MERGE_MAX_WEIGHTS
 
 from engine_helpers import PROMPT, as_float, load_tiny, make_catalog, run_together
 

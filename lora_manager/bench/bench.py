@@ -37,7 +37,8 @@ from ..adapters.inspection import ATTENTION
 from ..adapters.reader import AdapterWeights, ModuleLora, read_adapter
 from ..adapters.sources import resolve
 from ..adapters.store import AdapterStore
-from ..hotswap.batched import BatchRows, install
+from ..hotswap.batched import install
+from ..hotswap.rows import BatchRows
 from ..hotswap.slot import LiveSlot
 from ..hotswap.template import SLOT, prepare_template, slot_names
 from ..testing import lora_layers

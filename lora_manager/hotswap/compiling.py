@@ -15,8 +15,8 @@ from torch._dynamo.utils import counters
 
 from ..layout import Layout
 from . import compile_cache
-from .batched import BatchRows
 from .fusion import FusionSwitch
+from .rows import BatchRows
 from .template import BATCH_DIM, compile_denoiser
 
 log = logging.getLogger(__name__)

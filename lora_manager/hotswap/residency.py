@@ -3,7 +3,7 @@ that makes a batch's adapters resident (or, for an adapter refused on its way in
 
 Two layouts share that step (`Layout.mixed`). Without mixed batches a request's adapters fill the first slots, in
 the order of their ids, each at its strength (`plan.assign_slots`), and every other slot is emptied. With mixed
-batches every row of a pipeline call picks its own device slots (`batched.BatchRows`): the batch's adapters become
+batches every row of a pipeline call picks its own device slots (`rows.BatchRows`): the batch's adapters become
 resident beside those already there (`plan.resident`), and each row's picks and strengths are written after.
 """
 
@@ -20,9 +20,9 @@ from ..adapters.reader import AdapterWeights
 from ..adapters.registry import AdapterRegistry
 from ..layout import Layout
 from ..request_schema import Mix
-from .batched import BatchRows
 from .fusion import Fusion, Picks, unsupported
 from .plan import assign_slots, plan_resident
+from .rows import BatchRows
 from .slot import DevicePrefetch, sync
 from .template import prepare_template
 

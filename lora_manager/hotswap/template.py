@@ -17,7 +17,8 @@ from torch import nn
 
 from ..adapters.validate import lora_shapes
 from ..quiet import quiet_loads
-from .batched import BatchRows, install
+from .batched import install
+from .rows import BatchRows
 from .slot import LiveSlot
 
 # dynamo's names for the denoiser's call arguments, first dimension: marked dynamic at compile, so one graph serves
