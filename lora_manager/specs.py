@@ -87,6 +87,7 @@ class AdapterInfo:
     has_text_encoder: bool
     format: str  # key layout family: "kohya", "peft", "peft+alpha", "diffusers", "xlabs", "comfyui" or "other"
     status: str  # "cached", "active", "evicted" (re-read on demand)
+    disk_bytes: int = 0  # Hub cache files its registration downloaded (0: read from a path or an earlier download)
     spec: AdapterSpec | None = None
 
     def as_dict(self) -> dict[str, Any]:

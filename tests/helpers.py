@@ -49,3 +49,13 @@ def running_app(*args: str, **env_overrides: str) -> Iterator[str]:
     with testing.running_app(ROOT / "app.py", args, env, READY_TIMEOUT_S) as (url, output):
         print(output.splitlines()[-1])
         yield url
+
+
+def padded(data: bytes, pad: int) -> bytes:
+    """A safetensors file with `pad` more bytes of metadata in its header: the same tensors, larger on disk."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header.setdefault("__metadata__", {})["padding"] = " " * pad
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the tensors' data stays 8-byte aligned
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]

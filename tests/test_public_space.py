@@ -108,3 +108,20 @@ def test_shared_additions_are_everyones(tmp_path):
             one, two = Client(url, verbose=False), Client(url, verbose=False)
             assert "`l4`" in add(one, "good/l4")
             assert generate(two, "l4")["adapter"] == "l4"
+
+
+def test_the_additions_budget_counts_bytes_on_disk(tmp_path):
+    """A file padded with metadata holds few tensor bytes but 3 MiB on disk: past the 2 MiB budget, the older
+    addition goes, files included."""
+    from helpers import padded
+
+    repos = {"good/l4": REPOS["good/l4"], "pad/big": Repo({"main": {"lora.safetensors": padded(lora(1), 3 * 2**20)}})}
+    with HubServer(repos) as hub:
+        with running_app(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path), HF_HUB_OFFLINE="0", LORA_ADDITIONS_MB="2") as url:
+            client = Client(url, verbose=False)
+            assert "`l4`" in add(client, "good/l4")
+            assert "`big`" in add(client, "pad/big")
+            with pytest.raises(AppError, match="Unknown adapter 'l4'"):
+                generate(client, "l4")
+            assert cached(tmp_path / "hub", "good/l4") == []
+            assert generate(client, "big")["adapter"] == "big"

@@ -349,3 +349,54 @@ def test_an_adapter_refused_after_download_leaves_the_cache_as_it_was(hub, blobs
         m.register("other", "owner/lora", weight_name="lora.safetensors")
     assert len(snapshot_files("owner/lora")) == len(before) + 1
     assert m.adapter_byte_limit() > 2**20 and m.adapter_byte_limit(2**20) == 2**20
+
+
+def test_disk_bytes_count_what_a_registration_downloaded(hub, adapter_dir):
+    """A file padded with metadata holds few tensor bytes but many on disk: `disk_bytes` reports the files its
+    registration brought into the Hub cache (what a Space's additions budget counts), and 0 for what was there."""
+    from lora_manager import LoraManager
+
+    from engine_helpers import load_tiny, make_catalog
+    from helpers import padded
+
+    data = padded((adapter_dir / "r4_attn.safetensors").read_bytes(), 2**20)
+    hub.repos["owner/padded"] = Repo({"main": {"lora.safetensors": data}})
+    m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn",)))
+    info = m.register("padded", "owner/padded")
+    on_disk = sum(p.stat().st_size for p in cache_dir().glob("models--owner--padded/blobs/*"))
+    assert info.disk_bytes >= on_disk == len(data) > 2**20 > info.bytes
+    assert m.register("again", "owner/padded").disk_bytes == 0  # the same file, already cached
+    assert m.register("local", str(adapter_dir / "r4_attn.safetensors")).disk_bytes == 0
+
+
+def test_a_refused_registration_keeps_the_files_of_one_from_the_same_repo_meanwhile(hub, adapter_dir):
+    """While a slow file of a repo downloads and is then refused, another visitor registers another file of the same
+    repo: the refusal removes only what it downloaded itself, and the other adapter keeps its file."""
+    import threading
+
+    from lora_manager import LoraManager
+
+    from engine_helpers import load_tiny, make_catalog
+
+    files = {"good.safetensors": (adapter_dir / "r4_attn.safetensors").read_bytes(), "zeros.safetensors": bytes(4096)}
+    hub.repos["owner/pair"] = Repo({"main": files}, file_faults={"zeros.safetensors": "slow"})
+    m = LoraManager(load_tiny(), make_catalog(adapter_dir, ("r4_attn",)))
+    refused: list[BaseException] = []
+
+    def register_zeros() -> None:
+        try:
+            m.register("zeros", "owner/pair", weight_name="zeros.safetensors")
+        except LoraManagerError as e:
+            refused.append(e)
+
+    slow = threading.Thread(target=register_zeros)
+    slow.start()
+    deadline = time.monotonic() + 10
+    while not resolve_paths(hub, "owner/pair", "GET") and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the slow download has begun
+    m.register("good", "owner/pair", weight_name="good.safetensors")
+    slow.join()
+    assert len(refused) == 1 and "zeros" not in m.registry
+    good = [p for p in snapshot_files("owner/pair") if p.name == "good.safetensors"]
+    assert len(good) == 1 and good[0].read_bytes() == files["good.safetensors"]
+    assert m.registry.reread("good").modules  # the registered adapter can still be read from its file

@@ -4,6 +4,7 @@ their reasons, and the reading and checking that admits an adapter. Nothing here
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from .validate import check_adapter
 log = logging.getLogger(__name__)
 
 TEMPLATE_MARGIN = 1.25  # a file's header, alpha tensors and fp32 padding on top of its template-sized tensors
+FETCH_LOCKS = 64  # registrations from one Hub repo run one at a time; other repos rarely share a lock
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class RegisteredAdapter:
     has_text_encoder: bool
     format: str
     downloaded: frozenset[Path] = frozenset()  # Hub cache files its registration fetched (deleted by `unregister`)
+    disk_bytes: int = 0  # what those files take on disk
 
     @classmethod
     def of(cls, spec: AdapterSpec, weights: AdapterWeights) -> RegisteredAdapter:
@@ -77,6 +80,7 @@ class AdapterRegistry:
         self._entries: dict[str, RegisteredAdapter] = {}
         self.refused: dict[str, str] = {}  # catalog adapters refused at start-up, with their reason
         self.loader = AdapterLoader(self.reread, store.__contains__)
+        self._fetching = [threading.Lock() for _ in range(FETCH_LOCKS)]
 
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._entries
@@ -134,14 +138,19 @@ class AdapterRegistry:
         known = self._entries.get(spec.id)
         if known is not None and (known.spec.source, known.spec.weight_name) != (spec.source, spec.weight_name):
             raise LoraManagerError(f"Adapter id {spec.id!r} is already used for {known.spec.source!r}.", spec.id)
-        cached = hub_cache_files(spec.source)
-        try:
-            reg, weights = self.read(spec, allow_local, max_bytes)
-        except BaseException:
-            remove_files(hub_cache_files(spec.source) - cached)
-            raise
-        downloaded = frozenset(hub_cache_files(spec.source) - cached) | (known.downloaded if known else frozenset())
-        reg = replace(reg, downloaded=downloaded)
+        # one at a time per repo, so what a refused registration removes is only what it downloaded itself
+        with self._fetching[hash(spec.source) % FETCH_LOCKS]:
+            cached = hub_cache_files(spec.source)
+            try:
+                reg, weights = self.read(spec, allow_local, max_bytes)
+            except BaseException:
+                remove_files(hub_cache_files(spec.source) - cached)
+                raise
+            fresh = hub_cache_files(spec.source) - cached
+        disk_bytes = sum(p.lstat().st_size for p in fresh if not p.is_symlink())
+        if known is not None:
+            fresh, disk_bytes = fresh | known.downloaded, disk_bytes + known.disk_bytes
+        reg = replace(reg, downloaded=frozenset(fresh), disk_bytes=disk_bytes)
         with lock:
             self.add(reg, weights)
         return reg
@@ -195,6 +204,7 @@ class AdapterRegistry:
             has_text_encoder=reg.has_text_encoder,
             format=reg.format,
             status=status,
+            disk_bytes=reg.disk_bytes,
             spec=reg.spec,
         )
 

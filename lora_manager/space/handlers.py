@@ -149,7 +149,7 @@ def add_adapter(
             allow_local=False,
             max_bytes=engine.adapter_byte_limit(space.max_adapter_bytes),
         )
-        for dropped in space.additions.add(session, adapter_id, info.bytes):
+        for dropped in space.additions.add(session, adapter_id, max(info.bytes, info.disk_bytes)):
             engine.unregister(dropped)
     except LoraManagerError as e:
         return f"**Refused:** {e}"
