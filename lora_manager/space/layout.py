@@ -28,6 +28,7 @@ from lora_manager.space.handlers import (
     select,
     session_closed,
 )
+from lora_manager.space.refusals import check_input_count
 from lora_manager.space.strategies import strategies
 from lora_manager.space.views import adapter_details, header_markdown, info_markdown, slider_steps
 from lora_manager.space.zerogpu import gpu
@@ -251,4 +252,5 @@ def build_demo(engine: Engine, additions: Additions | None = None, max_adapter_b
         _compare_tab(space)
         with gr.Tab("Strategies"):
             _strategies_tab()
+    demo.validate_inputs = check_input_count  # too few values: a 422 that names the counts
     return demo

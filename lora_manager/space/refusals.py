@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
+from collections import deque
 
 import gradio as gr
 from fastapi.exceptions import RequestValidationError
@@ -15,7 +18,7 @@ from starlette.responses import JSONResponse
 
 from lora_manager import LoraManagerError
 from lora_manager.request_schema import shorten
-from lora_manager.serving.statuses import status_of
+from lora_manager.serving.statuses import RETRY, status_of
 
 # A refusal's title by its status (`serving/statuses.py`, shared by every route); Gradio's direct route
 # (/gradio_api/run/...) answers every error with HTTP 500, and `RefusalStatus` gives it back its status by this title
@@ -38,31 +41,54 @@ def refusal(error: LoraManagerError) -> gr.Error:
 
 
 class RefusalStatus:
-    """ASGI middleware: on Gradio's direct route, a 500 whose JSON body is a Refusal takes the refusal's status."""
+    """ASGI middleware: on Gradio's direct route, a 500 whose JSON body is a Refusal takes the refusal's status, and a
+    429 or 503 says when to retry (`Retry-After`: the median time of the route's recent answers, at least 1 s)."""
 
     DIRECT = ("/gradio_api/run/", "/gradio_api/api/")
 
     def __init__(self, app):
         self.app = app
+        self.latencies: deque[float] = deque(maxlen=64)  # seconds of the direct route's recent successful answers
+
+    def retry_after(self) -> int:
+        return max(1, math.ceil(statistics.median(self.latencies))) if self.latencies else 1
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(self.DIRECT):
             return await self.app(scope, receive, send)
         held: list[dict] = []  # a 500's start and body, until the whole body is read
+        t0 = time.monotonic()
 
         async def relay(message: dict) -> None:
             if message["type"] == "http.response.start" and message["status"] == 500:
                 held.append(message)
             elif not held:
+                if message["type"] == "http.response.start" and message["status"] == 200:
+                    self.latencies.append(time.monotonic() - t0)
                 await send(message)
             else:
                 held.append(message)
                 if not message.get("more_body"):
                     body = b"".join(m.get("body", b"") for m in held[1:])
-                    await send({**held[0], "status": _refusal_status(body)})
+                    status = _refusal_status(body)
+                    headers = list(held[0].get("headers", []))
+                    if status in RETRY:
+                        headers.append((b"retry-after", str(self.retry_after()).encode()))
+                    await send({**held[0], "status": status, "headers": headers})
                     await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, relay)
+
+
+def check_input_count(block_fn, inputs: list) -> None:
+    """Gradio's check that an event got a value for each of its inputs (`Blocks.validate_inputs`), as a refusal: 422
+    on the direct route, and the counts without echoing the values sent. Extra values are ignored, as Gradio does."""
+    if len(inputs) < len(block_fn.inputs):
+        name = block_fn.api_name or block_fn.name or "this event"
+        raise Refusal(
+            f"{shorten(name)} takes one value per input (needed: {len(block_fn.inputs)}, got: {len(inputs)}); "
+            "the API page lists them in order."
+        )
 
 
 def _refusal_status(body: bytes) -> int:
