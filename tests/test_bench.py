@@ -144,8 +144,9 @@ def test_real_width_bench_runs_every_row_on_one_pipeline_and_writes_its_ratios(t
     )
     written = json.loads(out.read_text())
     names = {"plain diffusers, one LoRA", "plain diffusers, fused", "pipeline direct, merged"}
+    names |= {"plain diffusers, one LoRA, worker thread", "plain diffusers, fused, worker thread"}
     names |= {f"engine, {row}" for row in ("no adapter", "one adapter", "ranks 8/4/16/64", "four rank-8")}
     assert set(written["rows"]) == names and all(len(r["ms_per_image"]) == 2 for r in written["rows"].values())
     assert all(t > 0 for r in written["rows"].values() for t in r["ms_per_image"])
-    assert set(written["ratios"]) == set(report.ratios) and len(report.ratios) == 6 and written["recompiles"] == 0
+    assert set(written["ratios"]) == set(report.ratios) and len(report.ratios) == 8 and written["recompiles"] == 0
     assert "engine one adapter / pipeline direct, merged" in real_width.table(report)

@@ -4,7 +4,8 @@ The pipeline is SDXL's: its UNet built from SDXL's own config (2.57 G parameters
 downloaded), with small text encoders of SDXL's hidden sizes and a small VAE, so the denoiser is the whole cost. The
 rows, ms per image over batches of `--batch` requests under classifier-free guidance:
 
-- plain diffusers, one LoRA loaded by `load_lora_weights`, and the same LoRA fused (`fuse_lora`), interleaved;
+- plain diffusers, one LoRA loaded by `load_lora_weights`, and the same LoRA fused (`fuse_lora`), interleaved, each
+  called on the main thread and on a worker thread (as a Gradio handler, and the engine's worker, call a pipeline);
 - then, on the same pipeline, the engine (`max_batch` = the batch): no adapter; every request for the one adapter;
   requests for four adapters of ranks 8/4/16/64 (the rank-16 one on attention and feed-forward, the others on
   attention); requests for four rank-8 attention adapters. Interleaved, every round; all adapters stay on the device.
@@ -22,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from ..adapters.inspection import ATTENTION
 from ..engine import LoraManager
+from ..openmp import release_idle_threads
 from ..specs import AdapterSpec, Catalog
 from ..testing import lora_config, lora_layers
 from .bench import _sdxl_unet, _threads
@@ -77,7 +80,15 @@ class Report:
         m = {k: r.median for k, r in self.rows.items()}
         pairs = {
             "engine one adapter / fused": ("engine, one adapter", "plain diffusers, fused"),
+            "engine one adapter / fused, worker thread": (
+                "engine, one adapter",
+                "plain diffusers, fused, worker thread",
+            ),
             "engine one adapter / plain diffusers": ("engine, one adapter", "plain diffusers, one LoRA"),
+            "engine one adapter / plain diffusers, worker thread": (
+                "engine, one adapter",
+                "plain diffusers, one LoRA, worker thread",
+            ),
             "engine one adapter / engine no adapter": ("engine, one adapter", "engine, no adapter"),
             "engine one adapter / pipeline direct, merged": ("engine, one adapter", "pipeline direct, merged"),
             "engine mixed ranks / engine one adapter": ("engine, ranks 8/4/16/64", "engine, one adapter"),
@@ -157,6 +168,19 @@ def _plain_ms(pipe, batch: int, settings: dict, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3 / batch
 
 
+def _threaded_ms(worker: ThreadPoolExecutor, pipe, batch: int, settings: dict, device: str) -> float:
+    """`_plain_ms` on `worker`'s thread, which then frees its OpenMP threads (as the engine's worker does when idle), so
+    the main thread's rows keep the CPU's only pool."""
+
+    def call() -> float:
+        try:
+            return _plain_ms(pipe, batch, settings, device)
+        finally:
+            release_idle_threads()
+
+    return worker.submit(call).result()
+
+
 def _engine_ms(m: LoraManager, adapters: list[str | None], settings: dict) -> float:
     """One engine call of one request per entry of `adapters`, queued behind a request holding the worker so the
     scheduler takes them as one batch: its pipeline call's time, in ms per image."""
@@ -200,6 +224,7 @@ def run(
     if model != "sdxl":
         raise SystemExit(f"--real-width {model}: only sdxl is built here")
     settings = _settings(latent, steps)
+    call = (batch, settings, device)
     report = Report(model, device, str(dtype).removeprefix("torch."), latent, steps, batch, compile)
 
     def say(text: str) -> None:
@@ -215,12 +240,15 @@ def run(
         paths = write_adapters(pipe.unet, Path(folder))
         pipe.load_lora_weights(str(paths[ONE]), adapter_name="one")
         _plain_ms(pipe, batch, settings, device)  # warm-up
-        for r in range(rounds):
-            report.add("plain diffusers, one LoRA", _plain_ms(pipe, batch, settings, device))
-            pipe.fuse_lora()
-            report.add("plain diffusers, fused", _plain_ms(pipe, batch, settings, device))
-            pipe.unfuse_lora()
-            say(f"round {r + 1}: " + ", ".join(f"{k} {v.ms_per_image[-1]:.0f}" for k, v in report.rows.items()))
+        with ThreadPoolExecutor(1, thread_name_prefix="plain") as worker:
+            for r in range(rounds):
+                report.add("plain diffusers, one LoRA", _plain_ms(pipe, batch, settings, device))
+                report.add("plain diffusers, one LoRA, worker thread", _threaded_ms(worker, pipe, *call))
+                pipe.fuse_lora()
+                report.add("plain diffusers, fused", _plain_ms(pipe, batch, settings, device))
+                report.add("plain diffusers, fused, worker thread", _threaded_ms(worker, pipe, *call))
+                pipe.unfuse_lora()
+                say(f"round {r + 1}: " + ", ".join(f"{k} {v.ms_per_image[-1]:.0f}" for k, v in report.rows.items()))
         pipe.unload_lora_weights()
         specs = tuple(AdapterSpec(id=name, source=str(path)) for name, path in paths.items())
         catalog = Catalog(
