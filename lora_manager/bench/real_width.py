@@ -169,8 +169,8 @@ def _plain_ms(pipe, batch: int, settings: dict, device: str) -> float:
 
 
 def _threaded_ms(worker: ThreadPoolExecutor, pipe, batch: int, settings: dict, device: str) -> float:
-    """`_plain_ms` on `worker`'s thread, which then frees its OpenMP threads (as the engine's worker does when idle), so
-    the main thread's rows keep the CPU's only pool."""
+    """`_plain_ms` on `worker`'s thread with the CPU's only OpenMP pool, as the engine's worker runs: the main thread
+    frees its pool first (as `submit` does), the worker its own after the call (as the idle engine worker does)."""
 
     def call() -> float:
         try:
@@ -178,6 +178,7 @@ def _threaded_ms(worker: ThreadPoolExecutor, pipe, batch: int, settings: dict, d
         finally:
             release_idle_threads()
 
+    release_idle_threads()
     return worker.submit(call).result()
 
 
