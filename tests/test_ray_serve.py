@@ -66,6 +66,17 @@ def test_a_killed_replica_loses_no_request(report):
 
 
 @pytest.mark.ray
+def test_a_killed_replica_leaves_the_metrics(deployment, report):
+    """A scrape after the kill lists the live replicas only: the killed replica, which answered before it died, is gone
+    from every per-replica family."""
+    killed = report["killed"][0].rsplit("#", 1)[-1]
+    answered = {r for name, load in report.items() if name.startswith("affinity routing") for r in load["replicas"]}
+    assert killed in answered, (killed, answered)  # its state reached the ingress with its answers
+    replicas = {s.labels["replica"] for s in scrape(f"{deployment}/affinity")["lora_queue_depth"].samples}
+    assert replicas and killed not in replicas, (killed, replicas)
+
+
+@pytest.mark.ray
 def test_the_app_runs_on_the_ray_backend(deployment, report):
     """`python app.py --backend ray`: the same UI and API, generation on the replicas (after the kill test: a
     replacement replica is serving by now)."""

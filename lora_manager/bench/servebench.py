@@ -85,13 +85,11 @@ def kill_one_replica(app: str) -> str:
     """Kill one replica actor of `app` (Serve starts a new one); returns its actor name."""
     import ray
 
-    names = sorted(
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{app}#LoraReplica#")
-    )
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-    return names[0]
+    from ..serving.ray_app import replica_actors
+
+    name = min(replica_actors(app).values())
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return name
 
 
 @contextmanager

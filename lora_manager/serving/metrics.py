@@ -3,7 +3,8 @@ which Ray's own metrics use).
 
 The ingress counts what it sees (requests by route, adapter and outcome; latency; requests in flight) and every
 answer from a replica carries that replica's state (`replica_state`), so per-replica values (queue depth, recompiles,
-adapter cache, running and waiting adapters) are as of that replica's latest answer. The running/waiting family
+adapter cache, running and waiting adapters) are as of that replica's latest answer; a scrape drops replicas that are
+no longer alive. The running/waiting family
 follows vLLM's `vllm:lora_requests_info`: one sample per replica whose labels list the adapters, valued at the time
 of the state.
 """
@@ -55,6 +56,11 @@ class ReplicaCollector(Collector):
 
     def __init__(self) -> None:
         self.states: dict[str, dict[str, Any]] = {}
+
+    def keep(self, live: set[str]) -> None:
+        """Forget the replicas not in `live` (dead ones: Serve replaces a dead replica with a new id)."""
+        if live:  # an empty listing says nothing about who is alive
+            self.states = {replica: state for replica, state in self.states.items() if replica in live}
 
     def collect(self) -> Iterator[Metric]:
         labels = ["replica"]

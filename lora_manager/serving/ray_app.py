@@ -141,6 +141,14 @@ class AdapterAffinityRouter(FIFOMixin, RequestRouter):
         self._in_flight[replica_id.unique_id] = max(0, self._in_flight[replica_id.unique_id] - 1)
 
 
+def replica_actors(app: str) -> dict[str, str]:
+    """The live `LoraReplica` actors of `app`: replica id -> actor name (Serve names each replica's actor
+    `SERVE_REPLICA::<app>#LoraReplica#<replica id>`)."""
+    prefix = f"SERVE_REPLICA::{app}#{LoraReplica.name}#"
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"].removeprefix(prefix): a["name"] for a in named if a["name"].startswith(prefix)}
+
+
 def accepted_size(manager) -> dict[str, Any]:
     """The default image size and the multiple each side must be (the VAE's scale factor, twice that where the
     pipeline packs 2x2 latent patches as Flux does); a compiled denoiser serves its default size only."""
@@ -357,9 +365,11 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics_text(self) -> Response:
-        """Prometheus text format; one replica's state is refreshed first."""
+        """Prometheus text format; one replica's state is refreshed first, and dead replicas' states are dropped."""
         try:
             self.metrics.observe_state(await self.replicas.state.remote())
+            live = await asyncio.to_thread(replica_actors, serve.get_replica_context().app_name)
+            self.metrics.replicas.keep(set(live))
         except Exception:  # a scrape still answers with what it has
             log.warning("no replica state for this scrape", exc_info=True)
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
