@@ -22,8 +22,6 @@ a retry returns the same image and each request gets exactly one answer).
 import asyncio  # no `from __future__ import annotations`: FastAPI reads the body type at runtime
 import json
 import logging
-import math
-import statistics
 import time
 from collections import Counter, deque
 from typing import Any
@@ -51,7 +49,7 @@ from .metrics import ServeMetrics, replica_state
 from .openai_api import Pipeline, error_body, models_list, parse_images_request
 from .protocol import answer_body, request_body
 from .routing import rank_by_affinity
-from .statuses import RETRY, error_of, status_of
+from .statuses import RETRY, error_of, retry_after_s, status_of
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +262,7 @@ class Ingress:
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: the median latency of recent requests, at least one."""
-        return max(1, math.ceil(statistics.median(self.latencies))) if self.latencies else 1
+        return retry_after_s(self.latencies)
 
     async def run(self, body: dict[str, Any], adapter: str) -> dict[str, Any]:
         """One image on a replica: its answer, retried when the replica dies; a refusal raises the error its status

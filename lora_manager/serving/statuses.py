@@ -5,6 +5,10 @@ serve now (closed, its replicas lost), 500 a fault of the server."""
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Collection
+
 from ..errors import (
     BodyTooLargeError,
     EngineClosedError,
@@ -28,6 +32,11 @@ STATUSES: tuple[tuple[type[LoraManagerError], int], ...] = (
 )
 FAULT = 500
 RETRY = (429, 503)  # the statuses a client may retry, told when by `Retry-After`
+
+
+def retry_after_s(latencies: Collection[float]) -> int:
+    """`Retry-After` in seconds: the median of recent answers' latencies, at least one."""
+    return max(1, math.ceil(statistics.median(latencies))) if latencies else 1
 
 
 def status_of(error: LoraManagerError) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from collections import deque
 
@@ -18,7 +17,7 @@ from starlette.responses import JSONResponse
 
 from lora_manager import LoraManagerError
 from lora_manager.request_schema import shorten
-from lora_manager.serving.statuses import RETRY, status_of
+from lora_manager.serving.statuses import RETRY, retry_after_s, status_of
 
 # A refusal's title by its status (`serving/statuses.py`, shared by every route); Gradio's direct route
 # (/gradio_api/run/...) answers every error with HTTP 500, and `RefusalStatus` gives it back its status by this title
@@ -50,9 +49,6 @@ class RefusalStatus:
         self.app = app
         self.latencies: deque[float] = deque(maxlen=64)  # seconds of the direct route's recent successful answers
 
-    def retry_after(self) -> int:
-        return max(1, math.ceil(statistics.median(self.latencies))) if self.latencies else 1
-
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(self.DIRECT):
             return await self.app(scope, receive, send)
@@ -73,7 +69,7 @@ class RefusalStatus:
                     status = _refusal_status(body)
                     headers = list(held[0].get("headers", []))
                     if status in RETRY:
-                        headers.append((b"retry-after", str(self.retry_after()).encode()))
+                        headers.append((b"retry-after", str(retry_after_s(self.latencies)).encode()))
                     await send({**held[0], "status": status, "headers": headers})
                     await send({"type": "http.response.body", "body": body})
 
